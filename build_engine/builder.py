@@ -1,0 +1,130 @@
+"""Build a native engine directory: resolve the model input, convert, write atomically."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from safetensors.numpy import save_file
+
+from build_engine import spec
+from build_engine.convert import engine_tensors
+from build_engine.gguf_source import load_gguf, smollm2_gguf_path
+from build_engine.hf_source import load_hf_dir
+from build_engine.source import BuildError, ModelSource, check_tensors
+from build_engine.spec import BuildLimits, EngineConfig, EngineFormatError, TokenizerIds
+from build_engine.tiny import write_tiny_checkpoint
+
+NAMED_MODELS = ("smollm2-135m", "tiny-random")
+
+
+@contextmanager
+def resolve_model(model: str) -> Iterator[ModelSource]:
+    """A ModelSource for --model (a named model, a GGUF file or an HF directory); temp files cleaned after."""
+    if model == "smollm2-135m":
+        yield load_gguf(smollm2_gguf_path(), "smollm2-135m")
+    elif model == "tiny-random":
+        with tempfile.TemporaryDirectory(prefix="tiny-random-") as tmp:
+            source = load_hf_dir(write_tiny_checkpoint(tmp, seed=0), "tiny-random")
+            source.info = {"kind": "tiny-random", "seed": 0}
+            yield source
+    else:
+        path = Path(model)
+        if path.is_dir():
+            yield load_hf_dir(path, path.name)
+        elif path.is_file():
+            with open(path, "rb") as f:
+                magic = f.read(4)
+            if magic != b"GGUF":
+                raise BuildError(f"{path} is not a GGUF file (bad magic {magic!r}) nor a checkpoint directory")
+            yield load_gguf(path, path.stem)
+        else:
+            raise BuildError(
+                f"model {model!r} not found: expected one of {', '.join(NAMED_MODELS)}, "
+                "a GGUF file or a Hugging Face checkpoint directory"
+            )
+
+
+def _engine_config(source: ModelSource, limit_args: dict[str, Any]) -> EngineConfig:
+    """Build limits from the CLI's values; an unset (None) value takes the default, max_seq_len the model's."""
+    defaults = {"max_seq_len": source.arch.max_position_embeddings}
+    chosen = {k: v for k, v in limit_args.items() if v is not None}
+    try:
+        limits = BuildLimits(**{**defaults, **chosen})
+    except EngineFormatError as exc:
+        raise BuildError(str(exc)) from exc
+    if limits.max_seq_len > source.arch.max_position_embeddings:
+        raise BuildError(
+            f"--max-seq-len {limits.max_seq_len} exceeds the model's max_position_embeddings "
+            f"{source.arch.max_position_embeddings}"
+        )
+    if not source.eos_token_ids:
+        raise BuildError("the model defines no end-of-sequence token (eos_token_id)")
+    ids = TokenizerIds(source.bos_token_id, source.eos_token_ids, source.pad_token_id)
+    return EngineConfig(model_name=source.name, arch=source.arch, limits=limits, tokenizer=ids, source=source.info)
+
+
+def _write_files(out: Path, source: ModelSource, config: EngineConfig, progress: bool) -> None:
+    tensors = dict(engine_tensors(source, progress=progress))
+    save_file(tensors, str(out / spec.WEIGHTS_FILE), metadata={"format": spec.FORMAT_NAME})
+    os.chmod(out / spec.WEIGHTS_FILE, 0o644)  # safetensors creates it owner-only
+    del tensors
+    (out / spec.CONFIG_FILE).write_text(config.to_json())
+    (out / spec.TOKENIZER_FILE).write_text(source.tokenizer_json)
+    tok_cfg = dataclasses.asdict(source.special_tokens)
+    (out / spec.TOKENIZER_CONFIG_FILE).write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
+    if source.chat_template:
+        (out / spec.CHAT_TEMPLATE_FILE).write_text(source.chat_template)
+    files = sorted(p.name for p in out.iterdir())
+    manifest = {
+        "format": spec.FORMAT_NAME,
+        "format_version": spec.FORMAT_VERSION,
+        "files": {
+            name: {"bytes": (out / name).stat().st_size, "sha256": spec.sha256_file(out / name)} for name in files
+        },
+    }
+    (out / spec.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def build(
+    model: str, output: str | Path, limits: dict[str, Any] | None = None, force: bool = False, progress: bool = True
+) -> EngineConfig:
+    """Build a native engine for `model` into `output`; nothing is left behind at `output` on failure.
+
+    `limits` holds BuildLimits fields (max_batch_size, max_num_tokens, max_seq_len, kv_block_size, dtype);
+    missing or None ones take their defaults, max_seq_len the model's max_position_embeddings.
+    """
+    output = Path(output)
+    if output.exists() and not force:
+        raise BuildError(f"output directory {output} already exists (use --force to replace it)")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with resolve_model(model) as source:
+        check_tensors(source)
+        config = _engine_config(source, limits or {})
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the engine is read by other users (containers)
+        try:
+            _write_files(tmp, source, config, progress)
+            _replace_dir(tmp, output)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return config
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Put `new` at `target`; an old `target` is moved aside first and deleted only after the swap."""
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.rename(target, old / "engine")
+    os.rename(new, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

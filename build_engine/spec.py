@@ -1,0 +1,199 @@
+"""The engine directory contract between build_engine/ and service/.
+
+An engine directory holds:
+  config.json            EngineConfig below (format name + version, architecture, build limits, tokenizer ids)
+  model.safetensors      weights already in the runner's layout (see build_engine/convert.py)
+  tokenizer.json         Hugging Face `tokenizers` format
+  tokenizer_config.json  special tokens and add_bos_token, as transformers names them
+  chat_template.jinja    the model's chat template (absent if the model has none)
+  manifest.json          sha256 and size of every other file
+
+Readers reject an unknown format or a newer format_version instead of guessing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_NAME = "llm-grpc-serving/engine"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+MANIFEST_FILE = "manifest.json"
+SUPPORTED_DTYPES = ("float32",)
+
+
+class EngineFormatError(ValueError):
+    """The engine directory is missing, corrupt, or of a format this code does not read."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArch:
+    """Llama-family hyperparameters, named as in Hugging Face's LlamaConfig."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # True when model.safetensors carries "rope_freq_factors" [head_dim // 2] (Llama 3 style rope scaling)
+    rope_freq_factors: bool = False
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            if getattr(self, name) <= 0:
+                raise EngineFormatError(f"architecture.{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise EngineFormatError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise EngineFormatError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        """Parameter count as the model defines it (tied embeddings counted once)."""
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else v * d
+        return v * d + self.num_hidden_layers * per_layer + d + head
+
+
+@dataclass(frozen=True, slots=True)
+class BuildLimits:
+    """What the engine was built for; the service enforces these."""
+
+    max_batch_size: int = 64  # sequences in one step
+    max_num_tokens: int = 512  # tokens in one step (prefill chunks + decodes)
+    max_seq_len: int = 2048  # prompt + generated tokens of one request
+    kv_block_size: int = 16  # tokens per KV cache block
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "kv_block_size"):
+            if getattr(self, name) <= 0:
+                raise EngineFormatError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_num_tokens < self.max_batch_size:
+            raise EngineFormatError(
+                f"max_num_tokens ({self.max_num_tokens}) must be >= max_batch_size ({self.max_batch_size}) "
+                "so every running sequence can decode in one step"
+            )
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise EngineFormatError(f"dtype {self.dtype!r} is not supported (choose from {SUPPORTED_DTYPES})")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerIds:
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # generation stops at any of these
+    pad_token_id: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_name: str
+    arch: ModelArch
+    limits: BuildLimits
+    tokenizer: TokenizerIds
+    backend: str = "native"
+    source: dict[str, Any] = field(default_factory=dict)  # where the weights came from (kind, name, sha256)
+
+    def to_json(self) -> str:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "backend": self.backend,
+            "model_name": self.model_name,
+            "architecture": dataclasses.asdict(self.arch),
+            "build": dataclasses.asdict(self.limits),
+            "tokenizer": {**dataclasses.asdict(self.tokenizer), "eos_token_ids": list(self.tokenizer.eos_token_ids)},
+            "source": self.source,
+        }
+        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineConfig:
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise EngineFormatError(f"{CONFIG_FILE} is not valid JSON: {exc}") from exc
+        if doc.get("format") != FORMAT_NAME:
+            raise EngineFormatError(f"{CONFIG_FILE} is not an engine config (format={doc.get('format')!r})")
+        version = doc.get("format_version")
+        if version != FORMAT_VERSION:
+            raise EngineFormatError(
+                f"engine format_version {version} is not supported by this code (reads {FORMAT_VERSION}); rebuild it"
+            )
+        try:
+            tok = doc["tokenizer"]
+            return cls(
+                model_name=doc["model_name"],
+                arch=ModelArch(**doc["architecture"]),
+                limits=BuildLimits(**doc["build"]),
+                tokenizer=TokenizerIds(
+                    bos_token_id=tok["bos_token_id"],
+                    eos_token_ids=tuple(tok["eos_token_ids"]),
+                    pad_token_id=tok["pad_token_id"],
+                ),
+                backend=doc.get("backend", "native"),
+                source=doc.get("source", {}),
+            )
+        except (KeyError, TypeError) as exc:
+            raise EngineFormatError(f"{CONFIG_FILE} is missing or has a malformed field: {exc}") from exc
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_engine_config(engine_dir: str | Path, verify: bool = False) -> EngineConfig:
+    """Read config.json of an engine directory; with verify=True also check every manifest checksum."""
+    engine_dir = Path(engine_dir)
+    if not engine_dir.is_dir():
+        raise EngineFormatError(f"engine directory {engine_dir} does not exist")
+    config_path = engine_dir / CONFIG_FILE
+    if not config_path.is_file():
+        raise EngineFormatError(f"{config_path} is missing: not an engine directory")
+    if verify:
+        verify_manifest(engine_dir)
+    return EngineConfig.from_json(config_path.read_text())
+
+
+def verify_manifest(engine_dir: Path) -> None:
+    manifest_path = engine_dir / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise EngineFormatError(f"{manifest_path} is missing")
+    manifest = json.loads(manifest_path.read_text())
+    for name, entry in manifest["files"].items():
+        path = engine_dir / name
+        if not path.is_file():
+            raise EngineFormatError(f"{path} is listed in the manifest but missing")
+        if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+            raise EngineFormatError(f"{path} does not match its manifest checksum (corrupt or edited)")

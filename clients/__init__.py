@@ -1,0 +1,1 @@
+"""Clients of the service: streaming client and load tester."""

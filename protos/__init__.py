@@ -1,0 +1,1 @@
+"""Protocol buffer definitions; generated modules are written next to the .proto files."""

@@ -1,0 +1,1 @@
+"""The gRPC LLM serving service and its native (numpy) engine."""

@@ -1,0 +1,74 @@
+"""Small named numpy kernels of the Llama forward pass (llama2.c style: one job each, shapes in comments)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Causal attention is computed in chunks of this many query rows, so a long prefill never materializes the
+# whole [queries, keys] score square and each chunk only reads the keys it can see.
+ATTENTION_QUERY_CHUNK = 256
+
+
+def rms_normalize(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / rms(x) per row, without the gain (the gain is folded into the next matmul at build time)."""
+    # x: [T, D]
+    ms = np.einsum("td,td->t", x, x) / np.float32(x.shape[1])  # [T]
+    return x * (1.0 / np.sqrt(ms + np.float32(eps)))[:, None]
+
+
+def rope_tables(max_positions: int, head_dim: int, theta: float, freq_factors: np.ndarray | None) -> np.ndarray:
+    """cos and sin for every position: [2, max_positions, head_dim // 2] float32 (computed in float64)."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [hd/2]
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.astype(np.float64)
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]  # [P, hd/2]
+    return np.stack([np.cos(angles), np.sin(angles)]).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """Rotate-half RoPE in place on x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim // 2]."""
+    half = x.shape[-1] // 2
+    x1 = x[..., :half].copy()  # [T, heads, hd/2]
+    x2 = x[..., half:]
+    x[..., :half] = x1 * cos - x2 * sin
+    x[..., half:] = x2 * cos + x1 * sin
+
+
+def silu_mul(gate_up: np.ndarray) -> np.ndarray:
+    """SwiGLU activation: silu(gate) * up, with gate_up = [gate | up] along the last axis."""
+    # gate_up: [T, 2F] -> [T, F]; sigmoid(g) = 0.5 * (1 + tanh(g / 2)) cannot overflow, unlike 1 / (1 + exp(-g))
+    f = gate_up.shape[1] // 2
+    gate, up = gate_up[:, :f], gate_up[:, f:]
+    return gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Grouped-query attention of one sequence's new queries over its whole context.
+
+    q: [n, H, hd] new queries (already scaled by 1/sqrt(hd)), the last n positions of the context
+    k, v: [ctx, KV, hd] keys and values of positions 0 .. ctx - 1
+    returns [n, H * hd]
+    """
+    n, n_heads, head_dim = q.shape
+    ctx, n_kv, _ = k.shape
+    group = n_heads // n_kv
+    # query head h uses kv head h // group; rows of qg are (query i, group member g) -> i * group + g
+    qg = q.reshape(n, n_kv, group, head_dim).transpose(1, 0, 2, 3).reshape(n_kv, n * group, head_dim)
+    kt = k.transpose(1, 2, 0)  # [KV, hd, ctx]
+    vt = v.transpose(1, 0, 2)  # [KV, ctx, hd]
+    out = np.empty((n_kv, n * group, head_dim), dtype=np.float32)  # [KV, n*G, hd]
+    first_pos = ctx - n  # position of query 0
+    for start in range(0, n, ATTENTION_QUERY_CHUNK):
+        stop = min(n, start + ATTENTION_QUERY_CHUNK)
+        visible = first_pos + stop  # keys 0 .. visible - 1 can be seen by some query of this chunk
+        scores = qg[:, start * group : stop * group] @ kt[:, :, :visible]  # [KV, rows, visible]
+        if stop - start > 1 or visible > first_pos + start + 1:
+            q_pos = np.repeat(np.arange(first_pos + start, first_pos + stop), group)  # [rows]
+            masked = np.arange(visible)[None, :] > q_pos[:, None]  # [rows, visible]
+            if masked.any():
+                scores[:, masked] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out[:, start * group : stop * group] = scores @ vt[:, :visible]
+    return out.reshape(n_kv, n, group, head_dim).transpose(1, 0, 2, 3).reshape(n, n_heads * head_dim)

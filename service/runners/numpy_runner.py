@@ -1,0 +1,104 @@
+"""The native model runner: a Llama forward pass in numpy over a paged KV cache.
+
+One execute() runs a flattened batch that may mix prefill chunks and decode tokens of many sequences
+(no padding), writes each new token's K/V through the slot mapping and reads each sequence's context
+through its block table. Only each sequence's last position goes through the LM head.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from build_engine import spec
+from build_engine.spec import EngineConfig, load_engine_config
+from build_engine.tensor_io import SafetensorsFile
+from service.runners.base import ForwardBatch
+from service.runners.kernels import apply_rope, causal_attention, rms_normalize, rope_tables, silu_mul
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerWeights:
+    qkv: np.ndarray  # [q_size + 2 * kv_size, D], input norm gain and 1/sqrt(hd) folded in
+    o: np.ndarray  # [D, q_size]
+    gate_up: np.ndarray  # [2F, D], post-attention norm gain folded in
+    down: np.ndarray  # [D, F]
+
+
+class NumpyRunner:
+    """Owns the weights (memory-mapped) and the KV cache arrays."""
+
+    def __init__(self, engine_dir: str | Path, num_kv_blocks: int, config: EngineConfig | None = None) -> None:
+        self.config = config or load_engine_config(engine_dir)
+        arch = self.config.arch
+        self.block_size = self.config.limits.kv_block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.n_heads, self.n_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        self.eps = arch.rms_norm_eps
+        w = SafetensorsFile(Path(engine_dir) / spec.WEIGHTS_FILE)
+        self.embed = w.get("embed")  # [V, D]
+        self.lm_head = self.embed if arch.tie_word_embeddings else w.get("lm_head")  # [V, D]
+        self.final_norm = w.get("final_norm")  # [D]
+        self.layers = [
+            LayerWeights(*(w.get(f"layers.{i}.{n}") for n in ("qkv", "o", "gate_up", "down")))
+            for i in range(arch.num_hidden_layers)
+        ]
+        factors = w.get("rope_freq_factors") if arch.rope_freq_factors else None
+        self.rope = rope_tables(self.config.limits.max_seq_len, arch.head_dim, arch.rope_theta, factors)  # [2, P, hd/2]
+        kv_shape = (arch.num_hidden_layers, num_kv_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        self.k_cache = np.zeros(kv_shape, dtype=np.float32)  # [L, num_blocks, block_size, KV, hd]
+        self.v_cache = np.zeros(kv_shape, dtype=np.float32)  # [L, num_blocks, block_size, KV, hd]
+        logger.info(
+            "KV cache: %d blocks x %d tokens, %.1f MiB", num_kv_blocks, self.block_size, 2 * self.k_cache.nbytes / 2**20
+        )
+
+    @staticmethod
+    def kv_bytes_per_block(config: EngineConfig) -> int:
+        arch = config.arch
+        return 2 * arch.num_hidden_layers * config.limits.kv_block_size * arch.kv_size * 4
+
+    def execute(self, batch: ForwardBatch) -> np.ndarray:
+        """Forward pass over the batch; logits of each sequence's last new token, [B, V] float32."""
+        # token_ids, positions, slot_mapping: [T]
+        T = batch.num_tokens
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        cos = self.rope[0, batch.positions][:, None, :]  # [T, 1, hd/2]
+        sin = self.rope[1, batch.positions][:, None, :]  # [T, 1, hd/2]
+        x = self.embed[batch.token_ids]  # [T, D] residual stream (a copy: the embedding table is read-only)
+        for layer, w in enumerate(self.layers):
+            # attention block
+            h = rms_normalize(x, self.eps)  # [T, D]
+            qkv = (h @ w.qkv.T).reshape(T, H + 2 * KV, hd)  # [T, H + 2KV, hd]
+            apply_rope(qkv[:, : H + KV], cos, sin)  # rotate Q and K heads together, in place
+            self._write_kv(layer, qkv[:, H : H + KV], qkv[:, H + KV :], batch.slot_mapping)
+            attn = self._attention(layer, qkv[:, :H], batch)  # [T, H * hd]
+            x += attn @ w.o.T  # [T, D]
+            # feed-forward block
+            h = rms_normalize(x, self.eps)  # [T, D]
+            x += silu_mul(h @ w.gate_up.T) @ w.down.T  # [T, 2F] -> [T, F] -> [T, D]
+        last = x[batch.query_start_loc[1:] - 1]  # [B, D] each sequence's last new token
+        h = rms_normalize(last, self.eps) * self.final_norm  # [B, D]
+        return h @ self.lm_head.T  # [B, V]
+
+    def _write_kv(self, layer: int, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray) -> None:
+        # k, v: [T, KV, hd]; the cache viewed as [num_blocks * block_size, KV, hd] is indexed by slot
+        self.k_cache[layer].reshape(-1, self.n_kv_heads, self.head_dim)[slot_mapping] = k
+        self.v_cache[layer].reshape(-1, self.n_kv_heads, self.head_dim)[slot_mapping] = v
+
+    def _attention(self, layer: int, q: np.ndarray, batch: ForwardBatch) -> np.ndarray:
+        # q: [T, H, hd] -> [T, H * hd]; one causal attention per sequence over the blocks of its table
+        out = np.empty((batch.num_tokens, self.n_heads * self.head_dim), dtype=np.float32)
+        k_layer, v_layer = self.k_cache[layer], self.v_cache[layer]  # [num_blocks, block_size, KV, hd]
+        qsl = batch.query_start_loc
+        for b in range(batch.num_seqs):
+            ctx = int(batch.seq_lens[b])
+            table = batch.block_tables[b]
+            k = k_layer[table].reshape(-1, self.n_kv_heads, self.head_dim)[:ctx]  # [ctx, KV, hd] gathered
+            v = v_layer[table].reshape(-1, self.n_kv_heads, self.head_dim)[:ctx]  # [ctx, KV, hd]
+            out[qsl[b] : qsl[b + 1]] = causal_attention(q[qsl[b] : qsl[b + 1]], k, v)
+        return out

