@@ -9,6 +9,12 @@ import numpy as np
 ATTENTION_QUERY_CHUNK = 256
 
 
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x @ w.T for a weight stored [out_features, in_features] (BLAS reads it transposed, no copy)."""
+    # x: [T, in] -> [T, out]
+    return x @ w.T
+
+
 def rms_normalize(x: np.ndarray, eps: float) -> np.ndarray:
     """x / rms(x) per row, without the gain (the gain is folded into the next matmul at build time)."""
     # x: [T, D]

@@ -17,7 +17,7 @@ from build_engine import spec
 from build_engine.spec import EngineConfig, load_engine_config
 from build_engine.tensor_io import SafetensorsFile
 from service.runners.base import ForwardBatch
-from service.runners.kernels import apply_rope, causal_attention, rms_normalize, rope_tables, silu_mul
+from service.runners.kernels import apply_rope, causal_attention, linear, rms_normalize, rope_tables, silu_mul
 
 logger = logging.getLogger(__name__)
 
@@ -73,17 +73,17 @@ class NumpyRunner:
         for layer, w in enumerate(self.layers):
             # attention block
             h = rms_normalize(x, self.eps)  # [T, D]
-            qkv = (h @ w.qkv.T).reshape(T, H + 2 * KV, hd)  # [T, H + 2KV, hd]
+            qkv = linear(h, w.qkv).reshape(T, H + 2 * KV, hd)  # [T, H + 2KV, hd]
             apply_rope(qkv[:, : H + KV], cos, sin)  # rotate Q and K heads together, in place
             self._write_kv(layer, qkv[:, H : H + KV], qkv[:, H + KV :], batch.slot_mapping)
             attn = self._attention(layer, qkv[:, :H], batch)  # [T, H * hd]
-            x += attn @ w.o.T  # [T, D]
+            x += linear(attn, w.o)  # [T, D]
             # feed-forward block
             h = rms_normalize(x, self.eps)  # [T, D]
-            x += silu_mul(h @ w.gate_up.T) @ w.down.T  # [T, 2F] -> [T, F] -> [T, D]
+            x += linear(silu_mul(linear(h, w.gate_up)), w.down)  # [T, 2F] -> [T, F] -> [T, D]
         last = x[batch.query_start_loc[1:] - 1]  # [B, D] each sequence's last new token
         h = rms_normalize(last, self.eps) * self.final_norm  # [B, D]
-        return h @ self.lm_head.T  # [B, V]
+        return linear(h, self.lm_head)  # [B, V]
 
     def _write_kv(self, layer: int, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray) -> None:
         # k, v: [T, KV, hd]; the cache viewed as [num_blocks * block_size, KV, hd] is indexed by slot
