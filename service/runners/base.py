@@ -8,6 +8,14 @@ from typing import Protocol
 
 import numpy as np
 
+from service.scheduler_output import SchedulerOutput
+
+
+class ChunkLike(Protocol):
+    token_ids: Sequence[int]
+    num_computed: int
+    block_ids: Sequence[int]
+
 
 @dataclass(frozen=True, slots=True)
 class SeqChunk:
@@ -31,6 +39,7 @@ class ForwardBatch:
     query_start_loc: np.ndarray  # [B + 1] int64, token range of sequence b is [qsl[b], qsl[b + 1])
     seq_lens: np.ndarray  # [B] int64, tokens in the KV cache for sequence b once this step has written
     block_tables: list[np.ndarray]  # B arrays of [ceil(seq_lens[b] / block_size)] int64 block ids
+    logits_seqs: np.ndarray  # [S] int64, the sequences whose last token goes through the LM head (in order)
 
     @property
     def num_seqs(self) -> int:
@@ -41,7 +50,9 @@ class ForwardBatch:
         return len(self.token_ids)
 
     @classmethod
-    def from_chunks(cls, chunks: Sequence[SeqChunk], block_size: int) -> ForwardBatch:
+    def from_chunks(
+        cls, chunks: Sequence[ChunkLike], block_size: int, logits_seqs: Sequence[int] | None = None
+    ) -> ForwardBatch:
         token_ids, positions, slots, starts, lens, tables = [], [], [], [0], [], []
         for c in chunks:
             n = len(c.token_ids)
@@ -63,7 +74,14 @@ class ForwardBatch:
             query_start_loc=np.asarray(starts, dtype=np.int64),
             seq_lens=np.asarray(lens, dtype=np.int64),
             block_tables=tables,
+            logits_seqs=np.arange(len(chunks)) if logits_seqs is None else np.asarray(logits_seqs, dtype=np.int64),
         )
+
+    @classmethod
+    def from_scheduler_output(cls, sched: SchedulerOutput, block_size: int) -> ForwardBatch:
+        """The step the scheduler decided; logits only for sequences that sample a token."""
+        sampled = [i for i, s in enumerate(sched.scheduled) if s.sample]
+        return cls.from_chunks(sched.scheduled, block_size, sampled)
 
 
 class ModelRunner(Protocol):
@@ -73,5 +91,5 @@ class ModelRunner(Protocol):
     block_size: int
 
     def execute(self, batch: ForwardBatch) -> np.ndarray:
-        """Run one forward pass; return the logits of each sequence's last token, [B, vocab] float32."""
+        """Run one forward pass; return the logits of the last token of batch.logits_seqs, [S, vocab] float32."""
         ...

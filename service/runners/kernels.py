@@ -9,9 +9,19 @@ import numpy as np
 ATTENTION_QUERY_CHUNK = 256
 
 
+# OpenBLAS handles 2-6 row GEMMs badly (2-4 rows cost about twice a 1-row GEMV of the whole matrix); one GEMV
+# per row is faster there, the later rows reading the matrix from cache (benchmarks: docs/benchmarks.md).
+SMALL_BATCH_GEMV_ROWS = 6
+
+
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x @ w.T for a weight stored [out_features, in_features] (BLAS reads it transposed, no copy)."""
     # x: [T, in] -> [T, out]
+    if 1 < x.shape[0] <= SMALL_BATCH_GEMV_ROWS:
+        out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)  # [T, out]
+        for i in range(x.shape[0]):
+            np.matmul(x[i], w.T, out=out[i])
+        return out
     return x @ w.T
 
 

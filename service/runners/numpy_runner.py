@@ -63,7 +63,7 @@ class NumpyRunner:
         return 2 * arch.num_hidden_layers * config.limits.kv_block_size * arch.kv_size * 4
 
     def execute(self, batch: ForwardBatch) -> np.ndarray:
-        """Forward pass over the batch; logits of each sequence's last new token, [B, V] float32."""
+        """Forward pass over the batch; logits of the last new token of each of batch.logits_seqs, [S, V]."""
         # token_ids, positions, slot_mapping: [T]
         T = batch.num_tokens
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
@@ -81,9 +81,9 @@ class NumpyRunner:
             # feed-forward block
             h = rms_normalize(x, self.eps)  # [T, D]
             x += linear(silu_mul(linear(h, w.gate_up)), w.down)  # [T, 2F] -> [T, F] -> [T, D]
-        last = x[batch.query_start_loc[1:] - 1]  # [B, D] each sequence's last new token
-        h = rms_normalize(last, self.eps) * self.final_norm  # [B, D]
-        return linear(h, self.lm_head)  # [B, V]
+        last = x[batch.query_start_loc[1:][batch.logits_seqs] - 1]  # [S, D] last new token of each sampled seq
+        h = rms_normalize(last, self.eps) * self.final_norm  # [S, D]
+        return linear(h, self.lm_head)  # [S, V]
 
     def _write_kv(self, layer: int, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray) -> None:
         # k, v: [T, KV, hd]; the cache viewed as [num_blocks * block_size, KV, hd] is indexed by slot

@@ -1,0 +1,286 @@
+"""AsyncEngine: EngineCore's step loop in a background thread, with asyncio streams per request.
+
+- generate() is an async iterator of RequestOutput deltas; closing it early (client gone, deadline) aborts the
+  request in whatever state it is: queued, prefilling, decoding or finishing. abort() is idempotent.
+- Admission is synchronous (no await between the check and the reservation): invalid requests raise
+  InvalidRequest, a full waiting queue raises QueueFull, a draining or dead engine raises EngineUnavailable.
+- The engine thread never blocks on a consumer: outputs go to a per-request collector that merges deltas
+  when its consumer lags.
+- An exception in a step fails every in-flight request cleanly and marks the engine dead; a watchdog marks it
+  unhealthy while a single step runs longer than `stall_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from service.engine import EngineCore
+from service.request import GenerateRequest, InvalidRequest, RequestOutput
+from service.stats import StepStats
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound (maps to RESOURCE_EXHAUSTED)."""
+
+
+class EngineUnavailable(Exception):
+    """The engine is starting, draining, stopped or dead (maps to UNAVAILABLE)."""
+
+
+class EngineError(Exception):
+    """The engine failed while this request was in flight (maps to INTERNAL, with the request id)."""
+
+
+# fields of a RequestOutput that hold totals or state, not deltas: the newest value wins when merging
+_LATEST_FIELDS = (
+    "finished",
+    "finish_reason",
+    "stop_reason",
+    "num_output_tokens",
+    "num_cached_tokens",
+    "timing",
+    "error",
+)
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """b arrived before a's consumer took a: fold them into one delta."""
+    a.new_token_ids = a.new_token_ids + b.new_token_ids
+    a.new_text += b.new_text
+    if b.logprobs is not None:
+        a.logprobs = (a.logprobs or []) + b.logprobs
+    for name in (
+        "finished",
+        "finish_reason",
+        "stop_reason",
+        "num_output_tokens",
+        "num_cached_tokens",
+        "timing",
+        "error",
+    ):
+        setattr(a, name, getattr(b, name))
+    return a
+
+
+class RequestOutputCollector:
+    """Hand-off from the engine (via the event loop) to one consumer; put() never blocks."""
+
+    def __init__(self) -> None:
+        self._output: RequestOutput | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        self._output = out if self._output is None else merge_outputs(self._output, out)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self._output is None:
+            await self._ready.wait()
+        out, self._output = self._output, None
+        self._ready.clear()
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncEngineConfig:
+    max_queue: int = 256  # requests accepted but not yet scheduled
+    stall_timeout_s: float = 60.0  # a step running longer than this marks the engine unhealthy
+    idle_wait_s: float = 0.05  # how long the idle loop sleeps between checks
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        core: EngineCore,
+        config: AsyncEngineConfig | None = None,
+        on_step: Callable[[StepStats, list[RequestOutput]], None] | None = None,
+        on_health_change: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.core = core
+        self.config = config or AsyncEngineConfig(max_queue=core.sched_cfg.max_queue)
+        self._on_step = on_step
+        self._on_health_change = on_health_change
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        self._queued: set[str] = set()  # accepted, not yet scheduled (the bounded queue)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._adds: list[tuple[GenerateRequest, float]] = []
+        self._aborts: set[str] = set()
+        self._accepting = False
+        self._stop = False
+        self._dead: str | None = None
+        self._step_started: float | None = None
+        self._stalled = False
+        self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
+        self._accepting = True
+        self._thread.start()
+        self._watchdog.start()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None and not self._stalled
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._collectors)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queued)
+
+    def stop_accepting(self) -> None:
+        """New requests get EngineUnavailable; requests in flight continue (graceful drain)."""
+        self._accepting = False
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop accepting, abort whatever is still in flight, stop the engine thread."""
+        self._accepting = False
+        with self._lock:
+            self._aborts.update(self._collectors)
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+
+    # ---- requests --------------------------------------------------------------------------------
+    async def generate(self, gen: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request. Raises InvalidRequest, QueueFull or EngineUnavailable at once."""
+        collector = self._admit(gen)
+        try:
+            while True:
+                out = await collector.get()
+                if out.finish_reason == "error":
+                    raise EngineError(out.error or "engine failure")
+                yield out
+                if out.finished:
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            self.abort(gen.request_id)
+            raise
+        finally:
+            self._collectors.pop(gen.request_id, None)
+            self._queued.discard(gen.request_id)
+
+    def _admit(self, gen: GenerateRequest) -> RequestOutputCollector:
+        # NOTE: no await between these checks and the reservation below (RELIABILITY: atomic admission).
+        if self._dead is not None:
+            raise EngineUnavailable(f"engine is not healthy: {self._dead}")
+        if not self._accepting:
+            raise EngineUnavailable("engine is not accepting requests (starting or draining)")
+        self.core.validate(gen)
+        if gen.request_id in self._collectors:
+            raise InvalidRequest(f"request_id {gen.request_id!r} is already in flight")
+        if len(self._queued) >= self.config.max_queue:
+            raise QueueFull(f"waiting queue is full ({self.config.max_queue} requests); retry later")
+        collector = RequestOutputCollector()
+        self._collectors[gen.request_id] = collector
+        self._queued.add(gen.request_id)
+        with self._lock:
+            self._adds.append((gen, self.core.clock()))
+        self._wake.set()
+        return collector
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in any state; safe to call repeatedly or for unknown ids."""
+        with self._lock:
+            self._aborts.add(request_id)
+        self._wake.set()
+
+    # ---- engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        while True:
+            outputs = self._apply_commands()
+            if self._stop and not core.has_unfinished_requests():
+                self._deliver(outputs, [])
+                break
+            if not core.has_unfinished_requests():
+                self._deliver(outputs, [])
+                self._wake.wait(self.config.idle_wait_s)
+                self._wake.clear()
+                continue
+            self._step_started = time.monotonic()
+            try:
+                outputs += core.step()
+            except Exception as exc:  # fail every request cleanly, keep the process alive, report unhealthy
+                logger.exception("engine step failed; failing all in-flight requests")
+                self._dead = f"{type(exc).__name__} in engine step"
+                self._accepting = False
+                outputs += core.fail_all("internal engine error")
+                self._notify_health()
+            finally:
+                self._step_started = None
+            self._deliver(outputs, core.last_newly_scheduled)
+            if self._on_step is not None and core.last_step is not None and self._dead is None:
+                self._on_step(core.last_step, outputs)
+
+    def _apply_commands(self) -> list[RequestOutput]:
+        with self._lock:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, set()
+        outputs: list[RequestOutput] = []
+        for gen, arrival in adds:
+            if gen.request_id in aborts:  # cancelled before the engine saw it
+                aborts.discard(gen.request_id)
+                outputs.append(RequestOutput(gen.request_id, [], finished=True, finish_reason="abort"))
+                continue
+            try:
+                self.core.add_request(gen, arrival_time=arrival)
+            except InvalidRequest as exc:  # validated on admission; only a race (e.g. duplicate id) gets here
+                outputs.append(RequestOutput(gen.request_id, [], finished=True, finish_reason="error", error=str(exc)))
+        if aborts:
+            outputs += self.core.abort(list(aborts))
+        return outputs
+
+    def _deliver(self, outputs: list[RequestOutput], newly_scheduled: list[str]) -> None:
+        if (outputs or newly_scheduled) and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, outputs, newly_scheduled)
+            except RuntimeError:  # the loop closed while we were stepping
+                pass
+
+    def _dispatch(self, outputs: list[RequestOutput], newly_scheduled: list[str]) -> None:
+        """Runs in the event loop thread."""
+        for req_id in newly_scheduled:
+            self._queued.discard(req_id)
+        for out in outputs:
+            if out.finished:
+                self._queued.discard(out.request_id)
+            collector = self._collectors.get(out.request_id)
+            if collector is not None:
+                collector.put(out)
+
+    def _watch(self) -> None:
+        while not self._stop or (self._thread is not None and self._thread.is_alive()):
+            started = self._step_started
+            stalled = started is not None and time.monotonic() - started > self.config.stall_timeout_s
+            if stalled != self._stalled:
+                self._stalled = stalled
+                if stalled:
+                    logger.error("engine step has been running for over %.0f s", self.config.stall_timeout_s)
+                self._notify_health()
+            time.sleep(min(1.0, self.config.stall_timeout_s / 4))
+            if self._thread is not None and not self._thread.is_alive():
+                break
+
+    def _notify_health(self) -> None:
+        if self._on_health_change is not None and self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._on_health_change, self.is_healthy)
+            except RuntimeError:
+                pass

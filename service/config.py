@@ -1,0 +1,96 @@
+"""Runtime configuration of the engine (a leaf module), and KV cache sizing from a memory budget."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+from build_engine.spec import EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int  # sequences per step (the engine's max_batch_size)
+    max_num_batched_tokens: int  # tokens per step (prefill chunks + decodes; the engine's max_num_tokens)
+    max_seq_len: int  # prompt + output tokens of one request
+    block_size: int  # tokens per KV block
+    num_kv_blocks: int  # blocks in the pool
+    enable_prefix_caching: bool = True
+    max_queue: int = 256  # requests waiting to be scheduled; beyond it, new ones are rejected
+    max_bypass: int = 8  # later requests admitted ahead of a waiting head before admission stops for it
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "block_size", "num_kv_blocks"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_queue < 0 or self.max_bypass < 0:
+            raise ValueError("max_queue and max_bypass must be >= 0")
+
+    @classmethod
+    def from_engine(cls, engine: EngineConfig, num_kv_blocks: int, **overrides: object) -> SchedulerConfig:
+        limits = engine.limits
+        values = {
+            "max_num_seqs": limits.max_batch_size,
+            "max_num_batched_tokens": limits.max_num_tokens,
+            "max_seq_len": limits.max_seq_len,
+            "block_size": limits.kv_block_size,
+            "num_kv_blocks": num_kv_blocks,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable of the machine, capped by a cgroup (container) limit when there is one."""
+    avail = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            raw = open(path).read().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            avail = min(avail, int(raw))
+    return avail
+
+
+def parse_memory(value: str) -> tuple[int | None, float | None]:
+    """'0.1' or '10%' -> a fraction of available memory; '512MiB', '2G', '1000000' -> bytes."""
+    text = value.strip()
+    if text.endswith("%"):
+        return None, float(text[:-1]) / 100
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?", text, re.I)
+    if m and m.group(2):
+        unit = m.group(2).upper().rstrip("B").rstrip("I")
+        scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[unit]
+        return int(float(m.group(1)) * scale), None
+    number = float(text)
+    if 0 < number <= 1:
+        return None, number
+    return int(number), None
+
+
+def kv_blocks_for_budget(engine: EngineConfig, budget: str, bytes_per_block: int) -> tuple[int, int]:
+    """Number of KV blocks that fit a budget ('--kv-cache-memory'); returns (blocks, budget in bytes)."""
+    absolute, fraction = parse_memory(budget)
+    if fraction is not None:
+        if not 0 < fraction <= 0.95:
+            raise ValueError(f"kv cache memory fraction must be in (0, 0.95], got {fraction}")
+        absolute = int(available_memory_bytes() * fraction)
+    blocks = absolute // bytes_per_block
+    needed = -(-engine.limits.max_seq_len // engine.limits.kv_block_size)
+    if blocks < needed:
+        raise ValueError(
+            f"kv cache memory {absolute} bytes holds {blocks} blocks, fewer than the {needed} one request of "
+            f"max_seq_len={engine.limits.max_seq_len} may need; raise --kv-cache-memory or rebuild with a smaller "
+            "--max-seq-len"
+        )
+    return blocks, absolute

@@ -1,0 +1,170 @@
+"""EngineCore: the one place where the scheduler, the KV cache manager and the model runner meet.
+
+Synchronous and single-threaded: no asyncio, no protobuf. AsyncEngine drives it from a background thread;
+the offline CLI and the tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from build_engine.spec import EngineConfig, load_engine_config
+from service.block_pool import BlockPool
+from service.config import SchedulerConfig, kv_blocks_for_budget
+from service.kv_cache_manager import KVCacheManager
+from service.output_processor import OutputProcessor
+from service.request import GenerateRequest, InvalidRequest, Request, RequestOutput, RequestStatus
+from service.runners.base import ForwardBatch
+from service.runners.numpy_runner import NumpyRunner
+from service.sampler import Sampler
+from service.scheduler import Scheduler, check_fits
+from service.stats import StepCost, StepStats
+from service.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY = "0.25"  # a quarter of the available memory
+
+
+class EngineCore:
+    def __init__(
+        self,
+        engine_dir: str | Path,
+        *,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: str = DEFAULT_KV_CACHE_MEMORY,
+        enable_prefix_caching: bool = True,
+        max_queue: int = 256,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        sampler_seed: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engine_dir = Path(engine_dir)
+        self.config: EngineConfig = load_engine_config(engine_dir)
+        self.tokenizer = Tokenizer.from_engine_dir(engine_dir)
+        bytes_per_block = NumpyRunner.kv_bytes_per_block(self.config)
+        if num_kv_blocks is None:
+            num_kv_blocks, budget = kv_blocks_for_budget(self.config, kv_cache_memory, bytes_per_block)
+            logger.info("KV cache budget %s = %.1f MiB -> %d blocks", kv_cache_memory, budget / 2**20, num_kv_blocks)
+        self.sched_cfg = SchedulerConfig.from_engine(
+            self.config,
+            num_kv_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            max_queue=max_queue,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        self.runner = NumpyRunner(engine_dir, num_kv_blocks=num_kv_blocks, config=self.config)
+        self.kv = KVCacheManager(BlockPool(num_kv_blocks, enable_prefix_caching), self.sched_cfg.block_size)
+        self.scheduler = Scheduler(self.sched_cfg, self.kv, clock)
+        self.sampler = Sampler(sampler_seed)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.cost = StepCost(self.config.arch)
+        self.clock = clock
+        self.eos_token_ids = frozenset(self.config.tokenizer.eos_token_ids)
+        self.last_step: StepStats | None = None
+        self.last_newly_scheduled: list[str] = []  # requests the last step scheduled for the first time
+        self._steps = itertools.count()
+
+    # ---- requests --------------------------------------------------------------------------------
+    def validate(self, gen: GenerateRequest) -> None:
+        """Raise InvalidRequest if the request can never run on this engine (checked before queueing)."""
+        check_fits(self.sched_cfg, len(gen.prompt_token_ids), gen.sampling)
+        vocab = self.config.arch.vocab_size
+        bad = next((t for t in gen.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def add_request(self, gen: GenerateRequest, arrival_time: float | None = None) -> Request:
+        self.validate(gen)
+        req = Request(
+            gen.request_id,
+            gen.prompt_token_ids,
+            gen.sampling,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            priority=gen.priority,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.scheduler.add_request(req)
+        self.outputs.add(req)
+        return req
+
+    def abort(self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[RequestOutput]:
+        """Finish requests in any state (idempotent: unknown or finished ids are ignored)."""
+        outputs = []
+        for req in self.scheduler.finish_requests(req_ids, status):
+            outputs.append(self.outputs.finished_output(req))
+            self.scheduler.release(req)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, sample, and return the outputs of this step."""
+        start = self.clock()
+        preempted_before = self.scheduler.num_preemptions
+        sched = self.scheduler.schedule()
+        self.last_newly_scheduled = sched.newly_scheduled_req_ids
+        if sched.is_empty:
+            return []
+        forward_start = time.perf_counter()
+        logits = self.runner.execute(ForwardBatch.from_scheduler_output(sched, self.sched_cfg.block_size))
+        forward_ms = (time.perf_counter() - forward_start) * 1e3
+        reqs = [self.scheduler.requests[s.req_id] for s in sched.scheduled if s.sample]
+        sampled = self.sampler.sample(logits, reqs)
+        tokens = {r.request_id: t for r, t in zip(reqs, sampled.token_ids, strict=True)}
+        logprobs = {r.request_id: lp for r, lp in zip(reqs, sampled.logprobs, strict=True)}
+        outputs = []
+        for req in self.scheduler.update_from_output(sched, tokens):
+            stop = self.outputs.push(req)
+            if stop is not None and not req.is_finished:
+                req.stop_reason = stop
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            outputs.append(self.outputs.output(req, logprobs[req.request_id]))
+            if req.is_finished:
+                self.scheduler.release(req)
+        self._record(sched, start, forward_ms, len(reqs), self.scheduler.num_preemptions - preempted_before)
+        return outputs
+
+    def _record(self, sched, start: float, forward_ms: float, num_sampled: int, num_preempted: int) -> None:
+        flops, moved = self.cost.of(sched)
+        self.last_step = StepStats(
+            step=next(self._steps),
+            num_seqs=len(sched.scheduled),
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens,
+            num_sampled=num_sampled,
+            step_ms=(self.clock() - start) * 1e3,
+            forward_ms=forward_ms,
+            flops=flops,
+            bytes_moved=moved,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_used=self.kv.pool.num_used_blocks,
+            num_preempted=num_preempted,
+        )
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """After an engine error: finish every request with an error and drop the possibly stale prefix cache."""
+        outputs = self.abort(list(self.scheduler.requests), RequestStatus.FINISHED_ERROR)
+        for out in outputs:
+            out.error = message
+        self.kv.pool.reset_prefix_cache()
+        return outputs
+
+    def generate(self, requests: list[GenerateRequest]) -> dict[str, list[RequestOutput]]:
+        """Run requests to completion (offline use): request_id -> its outputs in order."""
+        results: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
+        for r in requests:
+            self.add_request(r)
+        while self.has_unfinished_requests():
+            for out in self.step():
+                results[out.request_id].append(out)
+        return results

@@ -1,0 +1,256 @@
+"""Requests, their sampling parameters, lifecycle and outputs (a leaf module: no numpy, no grpc)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+# Caps on list-valued and count-valued fields, checked before any work (RELIABILITY: bound inputs first).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+
+
+class InvalidRequest(ValueError):
+    """A request field is out of range; the message names the field and the limit."""
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered by terminality: anything after PREEMPTED is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3  # an EOS / stop token id / stop string
+    FINISHED_LENGTH = 4  # max_tokens (or max_seq_len) reached
+    FINISHED_ABORTED = 5  # cancelled by the client, a deadline, or shutdown
+    FINISHED_ERROR = 6  # the engine failed while the request was in flight
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequest(message)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampling and stopping parameters of one request (vLLM's names and defaults)."""
+
+    max_tokens: int = 16  # tokens to generate at most
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    top_p: float = 1.0  # keep the smallest set with cumulative probability >= top_p
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output (HF / CTRL style)
+    presence_penalty: float = 0.0  # subtracted once from tokens already generated (OpenAI style)
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output (OpenAI style)
+    seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
+    stop: tuple[str, ...] = ()  # stop strings, matched across token boundaries, not included in the text
+    stop_token_ids: tuple[int, ...] = ()  # token ids that end the request (kept in token_ids)
+    ignore_eos: bool = False  # keep generating past the model's EOS tokens
+    min_tokens: int = 0  # EOS and stop token ids are suppressed until this many tokens exist
+    logprobs: int | None = None  # None: none; 0: the chosen token's; N <= 20: plus the top N
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"
+        )
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            f"temperature must be a finite number >= 0, got {self.temperature}",
+        )
+        _check(math.isfinite(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        _check(math.isfinite(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(
+            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+            f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
+        _check(self.seed is None or 0 <= self.seed <= MAX_SEED, f"seed must be in [0, 2^63 - 1], got {self.seed}")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+        )
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+            f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+        )
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS, f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}"
+        )
+        for s in self.stop:
+            _check(
+                0 < len(s) <= MAX_STOP_STRING_CHARS,
+                f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters",
+            )
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"stop_token_ids allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float  # log-probability of the chosen token under the model's distribution
+    top: tuple[tuple[int, float], ...] = ()  # the top-N (token id, logprob), most likely first
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTiming:
+    """Milliseconds on the engine's monotonic clock (definitions in docs/timing.md)."""
+
+    queue_ms: float  # arrival -> first scheduled
+    prefill_ms: float  # first scheduled -> first token
+    ttft_ms: float  # arrival -> first token
+    decode_ms: float  # first token -> last token
+    tpot_ms: float  # decode_ms / (output tokens - 1); 0 with one token
+    e2e_ms: float  # arrival -> finish
+    itl_ms: tuple[float, ...] = ()  # gaps between consecutive tokens
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: a delta, and on the last one the totals and timing."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    timing: RequestTiming | None = None  # on the final output
+    error: str | None = None  # with finish_reason "error"
+
+
+class Request:
+    """Mutable state of one request inside the engine (owned by the scheduler)."""
+
+    __slots__ = (
+        "all_token_ids",
+        "arrival_time",
+        "detokenizer",
+        "eos_token_ids",
+        "finish_reason",
+        "finish_time",
+        "first_scheduled_time",
+        "num_bypassed",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "output_token_ids",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "sampling",
+        "status",
+        "stop_reason",
+        "token_times",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        arrival_time: float,
+        priority: int = 0,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)  # prompt + output, grown as tokens are sampled
+        self.output_token_ids: list[int] = []
+        self.sampling = sampling
+        self.priority = priority  # lower value = served first (vLLM convention)
+        self.arrival_time = arrival_time
+        self.eos_token_ids = eos_token_ids
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first scheduling
+        self.num_preemptions = 0
+        self.num_bypassed = 0  # times a later request was admitted ahead of this one
+        self.first_scheduled_time: float | None = None
+        self.token_times: list[float] = []  # when each output token was sampled
+        self.finish_time: float | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.detokenizer = None  # set by the engine's output processor
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.token_times.append(now)
+
+    def timing(self) -> RequestTiming:
+        end = self.finish_time if self.finish_time is not None else (self.token_times[-1] if self.token_times else 0.0)
+        sched = self.first_scheduled_time
+        if not self.token_times:  # finished before any token (aborted while queued or prefilling)
+            queue = (sched - self.arrival_time) if sched is not None else end - self.arrival_time
+            return RequestTiming(queue * 1e3, 0.0, 0.0, 0.0, 0.0, (end - self.arrival_time) * 1e3)
+        first, last = self.token_times[0], self.token_times[-1]
+        n = len(self.token_times)
+        decode = last - first
+        gaps = tuple((b - a) * 1e3 for a, b in zip(self.token_times, self.token_times[1:], strict=False))
+        return RequestTiming(
+            queue_ms=(sched - self.arrival_time) * 1e3,
+            prefill_ms=(first - sched) * 1e3,
+            ttft_ms=(first - self.arrival_time) * 1e3,
+            decode_ms=decode * 1e3,
+            tpot_ms=decode * 1e3 / (n - 1) if n > 1 else 0.0,
+            e2e_ms=(end - self.arrival_time) * 1e3,
+            itl_ms=gaps,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    """A request as submitted to the engine (the servicer builds it from the protobuf message)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0

@@ -1,0 +1,135 @@
+"""Logits -> tokens for a batch of requests, each with its own sampling parameters.
+
+Order per row (vLLM's): logprobs of the raw model distribution; repetition / presence / frequency penalties;
+min_tokens suppression of stop ids; then greedy argmax, or temperature -> min_p -> top_k -> top_p -> draw.
+The draw is an inverse-CDF lookup with one uniform number per token. A seeded request takes that number from
+a generator keyed by (seed, index of the token being generated), so its tokens do not depend on what else is
+in the batch, on the batch order, or on preemption (which recomputes the same position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.request import Request, TokenLogprob
+
+# Relative probability below which tokens are left out of the sorted candidate set for top-k / top-p.
+# The result stays exact: when the candidates cannot decide, the row falls back to a full sort.
+CANDIDATE_THRESHOLD = 1e-4
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprob | None]  # one per row (None where not requested)
+
+
+def log_softmax_row(row: np.ndarray) -> np.ndarray:
+    z = row.astype(np.float64)
+    z -= z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def token_logprob(row: np.ndarray, token: int, top_n: int) -> TokenLogprob:
+    lp = log_softmax_row(row)  # [V]
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n:
+        ids = np.argpartition(-lp, top_n)[:top_n]
+        ids = ids[np.lexsort((ids, -lp[ids]))]  # most likely first, ties by id
+        top = tuple((int(i), float(lp[i])) for i in ids)
+    return TokenLogprob(token_id=token, logprob=float(lp[token]), top=top)
+
+
+def apply_penalties(row: np.ndarray, req: Request) -> None:
+    """In place on one row of logits [V]."""
+    p = req.sampling
+    if p.repetition_penalty != 1.0:
+        seen = np.unique(np.asarray(req.all_token_ids, dtype=np.int64))
+        vals = row[seen]
+        row[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+        ids, counts = np.unique(np.asarray(req.output_token_ids, dtype=np.int64), return_counts=True)
+        row[ids] -= p.frequency_penalty * counts + p.presence_penalty
+
+
+def _uniform(req: Request, rng: np.random.Generator) -> float:
+    if req.sampling.seed is None:
+        return float(rng.random())
+    return float(np.random.default_rng([req.sampling.seed, len(req.output_token_ids)]).random())
+
+
+def _draw(probs: np.ndarray, ids: np.ndarray | None, u: float) -> int:
+    """Inverse CDF over unnormalized probabilities in a fixed order (ids[i] is the token of probs[i])."""
+    cdf = np.cumsum(probs, dtype=np.float64)
+    i = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(cdf) - 1)
+    return int(i if ids is None else ids[i])
+
+
+def sample_row(row: np.ndarray, req: Request, u: float) -> int:
+    """One token from a row of (penalized) logits [V] with temperature > 0."""
+    p = req.sampling
+    scaled = row.astype(np.float64) / p.temperature
+    probs = np.exp(scaled - scaled.max())  # [V] unnormalized; the most likely token has 1.0
+    if p.min_p > 0:
+        probs[probs < p.min_p] = 0.0
+    if not p.top_k and p.top_p >= 1.0:
+        return _draw(probs, None, u)
+    total = probs.sum()
+    ids = np.flatnonzero(probs >= max(CANDIDATE_THRESHOLD, p.min_p))  # candidates, ascending ids
+    cand = probs[ids]
+    complete = len(ids) == np.count_nonzero(probs)
+    exact = complete or (len(ids) >= p.top_k if p.top_k else cand.sum() >= p.top_p * total)
+    if not exact:  # rare (a flat distribution): the candidates cannot decide, sort the whole support
+        ids = np.flatnonzero(probs)
+        cand = probs[ids]
+    order = np.argsort(-cand, kind="stable")  # most likely first, ties by id
+    cand, ids = cand[order], ids[order]
+    mass = total
+    if p.top_k:
+        cand, ids = cand[: p.top_k], ids[: p.top_k]
+        mass = cand.sum()  # top-p applies to the renormalized top-k set
+    if p.top_p < 1.0:
+        cut = int(np.searchsorted(np.cumsum(cand, dtype=np.float64), p.top_p * mass, side="left")) + 1
+        cand, ids = cand[:cut], ids[:cut]
+    return _draw(cand, ids, u)
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = np.random.default_rng(seed)  # for requests without a seed
+
+    def sample(self, logits: np.ndarray, reqs: list[Request]) -> SamplerOutput:
+        """logits: [S, V] float32, row i for reqs[i]; returns one token (and optional logprobs) per row."""
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
+        greedy_rows = [i for i, r in enumerate(reqs) if r.sampling.greedy and not self._needs_edit(r)]
+        argmax = np.argmax(logits[greedy_rows], axis=-1) if greedy_rows else []  # vectorized common case
+        fast = dict(zip(greedy_rows, (int(t) for t in argmax), strict=True))
+        for i, req in enumerate(reqs):
+            row = logits[i]
+            if i in fast:
+                token = fast[i]
+            else:
+                row = row.copy()
+                self._edit(row, req)
+                token = int(np.argmax(row)) if req.sampling.greedy else sample_row(row, req, _uniform(req, self._rng))
+            tokens.append(token)
+            n = req.sampling.logprobs
+            logprobs.append(None if n is None else token_logprob(logits[i], token, n))
+        return SamplerOutput(tokens, logprobs)
+
+    @staticmethod
+    def _needs_edit(req: Request) -> bool:
+        return req.sampling.has_penalties or len(req.output_token_ids) < req.sampling.min_tokens
+
+    @staticmethod
+    def _edit(row: np.ndarray, req: Request) -> None:
+        p = req.sampling
+        if p.has_penalties:
+            apply_penalties(row, req)
+        if len(req.output_token_ids) < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
+            if banned:
+                row[banned] = -np.inf

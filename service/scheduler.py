@@ -1,0 +1,258 @@
+"""Iteration-level scheduler: which requests advance in the next step, and by how many tokens.
+
+There is no prefill or decode phase in the scheduler state: every request has num_computed_tokens and
+catches up to num_tokens within a per-step token budget. Running requests go first (so decodes are never
+starved by prefills, and a long prompt advances one chunk per step), then waiting requests in
+(priority, arrival) order while blocks, budget and the batch cap allow. When a running request cannot
+get a block, the lowest-priority, newest running request is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from service.config import SchedulerConfig
+from service.kv_cache_manager import KVCacheManager
+from service.request import InvalidRequest, Request, RequestStatus, SamplingParams
+from service.scheduler_output import ScheduledSeq, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def check_fits(cfg: SchedulerConfig, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+    """Reject, at submission, a request that could never run (raises InvalidRequest naming the limit)."""
+    if num_prompt_tokens == 0:
+        raise InvalidRequest("the prompt is empty")
+    total = num_prompt_tokens + sampling.max_tokens
+    if total > cfg.max_seq_len:
+        raise InvalidRequest(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds "
+            f"max_seq_len {cfg.max_seq_len}"
+        )
+    blocks = -(-total // cfg.block_size)
+    if blocks > cfg.num_kv_blocks:
+        raise InvalidRequest(
+            f"prompt + max_tokens needs {blocks} KV blocks, more than the whole KV cache ({cfg.num_kv_blocks} blocks)"
+        )
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by _order_key
+        self.running: list[Request] = []  # in admission order (newest last)
+        self._order: dict[str, tuple[int, float, int]] = {}
+        self._counter = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queue a request. Raises InvalidRequest if it can never fit or its id is in use."""
+        if req.request_id in self.requests:
+            raise InvalidRequest(f"request_id {req.request_id!r} is already in flight")
+        check_fits(self.cfg, req.num_prompt_tokens, req.sampling)
+        self.requests[req.request_id] = req
+        self._order[req.request_id] = (req.priority, req.arrival_time, next(self._counter))
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        keys = [self._order[r.request_id] for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self._order[req.request_id]), req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- one step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            scheduled = True
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = max(self.running, key=lambda r: self._order[r.request_id])  # lowest priority, newest
+                index = self.running.index(victim)
+                budget += self._preempt(victim, out)
+                if index < i:
+                    i -= 1
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                continue  # `req` left self.running; the next request now sits at index i
+            self._schedule_seq(req, num_new, out)
+            budget -= num_new
+            i += 1
+        if not out.preempted_req_ids:  # admitting new work right after preempting would thrash
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        j = 0
+        while j < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[j]
+            computed, num_cached = ([], 0)
+            if req.num_computed_tokens == 0:
+                computed, num_cached = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if self.kv.allocate_slots(req, num_new, computed) is None:
+                if self.waiting[0].num_bypassed >= self.cfg.max_bypass:
+                    break  # the head has been passed over enough: wait for room for it
+                j += 1
+                continue
+            self.waiting.pop(j)
+            if j > 0:
+                self.waiting[0].num_bypassed += 1
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_cached
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self.clock()
+                req.num_cached_tokens = num_cached
+                out.newly_scheduled_req_ids.append(req.request_id)
+            self.running.append(req)
+            self._schedule_seq(req, num_new, out)
+            budget -= num_new
+
+    def _schedule_seq(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+        start = req.num_computed_tokens
+        is_decode = num_new == 1 and start >= req.num_prompt_tokens
+        out.scheduled.append(
+            ScheduledSeq(
+                req_id=req.request_id,
+                token_ids=req.all_token_ids[start : start + num_new],
+                num_computed=start,
+                block_ids=self.kv.block_ids(req.request_id),
+                sample=start + num_new == req.num_tokens,
+                is_decode=is_decode,
+            )
+        )
+        out.num_scheduled_tokens[req.request_id] = num_new
+        out.total_num_scheduled_tokens += num_new
+        if is_decode:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += num_new
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Preempt by recompute; returns the token budget given back if the victim was already scheduled."""
+        self.running.remove(victim)
+        self.kv.free(victim)  # before num_computed_tokens is reset: it tells which blocks hold valid KV
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(victim)
+        out.preempted_req_ids.append(victim.request_id)
+        returned = out.num_scheduled_tokens.pop(victim.request_id, 0)
+        if returned:  # it was scheduled earlier in this step (possible with priorities): take it back out
+            seq = next(s for s in out.scheduled if s.req_id == victim.request_id)
+            out.scheduled.remove(seq)
+            out.total_num_scheduled_tokens -= returned
+            if seq.is_decode:
+                out.num_decode_tokens -= 1
+            else:
+                out.num_prefill_tokens -= returned
+        logger.debug("preempted %s (%d preemptions so far)", victim.request_id, victim.num_preemptions)
+        return returned
+
+    # ---- results ---------------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a step's results: advance computed tokens, append sampled tokens, stop finished requests.
+
+        Returns the requests that received a token (finished ones included, already freed).
+        """
+        now = self.clock()
+        updated = []
+        for seq in out.scheduled:
+            req = self.requests.get(seq.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += len(seq.token_ids)
+            token = sampled.get(seq.req_id)
+            if token is None:
+                continue
+            req.append_token(token, now)
+            status = self._stop_status(req, token)
+            if status is not None:
+                self._finish(req, status, now)
+            updated.append(req)
+        return updated
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.cfg.max_seq_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests in any state (abort, stop string, engine error); unknown ids are ignored."""
+        now = self.clock()
+        finished = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self._finish(req, status, now)
+            finished.append(req)
+        return finished
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        req.status = status
+        req.finish_time = now
+        self.kv.free(req)
+
+    def release(self, req: Request) -> None:
+        """Forget a finished request once its final output has been handed over."""
+        assert req.is_finished
+        self.requests.pop(req.request_id, None)
+        self._order.pop(req.request_id, None)
+
+    # ---- checks ----------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (tests call this after every step)."""
+        pool = self.kv.pool
+        assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
+        assert all(b.ref_cnt == 0 for b in pool.free_queue._queue.values()), "a free block has references"
+        in_use = sum(1 for b in pool.blocks if b.ref_cnt > 0)
+        assert in_use == pool.num_used_blocks, "used blocks and referenced blocks disagree"
+        table_entries = sum(len(blocks) for blocks in self.kv.req_blocks.values())
+        assert sum(b.ref_cnt for b in pool.blocks) == table_entries, "ref counts do not match block tables"
+        for req_id, blocks in self.kv.req_blocks.items():
+            assert len({b.block_id for b in blocks}) == len(blocks), f"{req_id} holds a block twice"
+            assert self.requests[req_id].status == RequestStatus.RUNNING, f"{req_id} holds blocks but is not running"
+        ids_running = {r.request_id for r in self.running}
+        ids_waiting = {r.request_id for r in self.waiting}
+        assert not ids_running & ids_waiting, "a request is both running and waiting"
+        assert len(self.running) <= self.cfg.max_num_seqs
+        live = {rid for rid, r in self.requests.items() if not r.is_finished}
+        assert live == ids_running | ids_waiting, "a live request is in neither queue"
+        if not self.requests:
+            assert pool.num_free_blocks == pool.num_blocks, "idle, yet blocks are in use"

@@ -1,0 +1,63 @@
+"""Per-step statistics, with the FLOPs and bytes a step had to move counted from the model's shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from build_engine.spec import ModelArch
+from service.scheduler_output import SchedulerOutput
+
+FP32 = 4
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    step: int  # index of the step since start
+    num_seqs: int  # sequences in the batch
+    num_prefill_tokens: int  # prompt / recompute tokens
+    num_decode_tokens: int  # generated-token steps
+    num_sampled: int  # tokens that came out
+    step_ms: float  # wall time of schedule + forward + sample + outputs
+    forward_ms: float  # wall time of the forward pass alone
+    flops: float  # matmul + attention + LM head FLOPs the step needed
+    bytes_moved: float  # weights + KV read + KV written
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    num_preempted: int  # preemptions during this step's scheduling
+
+    @property
+    def gflops_per_s(self) -> float:
+        return self.flops / (self.forward_ms * 1e6) if self.forward_ms else 0.0
+
+    @property
+    def gbytes_per_s(self) -> float:
+        return self.bytes_moved / (self.forward_ms * 1e6) if self.forward_ms else 0.0
+
+
+class StepCost:
+    """FLOPs and bytes of one forward pass, from the architecture (fp32 weights and KV cache)."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        d, f = arch.hidden_size, arch.intermediate_size
+        self.layers = arch.num_hidden_layers
+        self.layer_params = d * (arch.q_size + 2 * arch.kv_size) + arch.q_size * d + 3 * d * f
+        self.head_params = arch.vocab_size * d
+        self.attn_per_pair = 4 * arch.num_attention_heads * arch.head_dim  # QK^T + PV per (query, key), per layer
+        self.kv_bytes_per_token = 2 * arch.kv_size * FP32  # K and V, per layer
+        self.weight_bytes = (self.layers * self.layer_params + self.head_params) * FP32
+
+    def of(self, sched: SchedulerOutput) -> tuple[float, float]:
+        """(flops, bytes) of the step the scheduler decided."""
+        tokens = sched.total_num_scheduled_tokens
+        sampled = sum(1 for s in sched.scheduled if s.sample)
+        pairs = 0  # (query, visible key) pairs over the batch
+        context = 0  # KV tokens read
+        for s in sched.scheduled:
+            n, c = len(s.token_ids), s.num_computed
+            pairs += n * c + n * (n + 1) // 2
+            context += c + n
+        flops = 2 * self.layers * self.layer_params * tokens + self.layers * self.attn_per_pair * pairs
+        flops += 2 * self.head_params * sampled
+        kv = self.layers * self.kv_bytes_per_token * (context + tokens)  # read every visible key, write the new
+        return float(flops), float(self.weight_bytes + kv)
