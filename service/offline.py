@@ -1,140 +1,134 @@
 """Offline generation CLI (the equivalent of TensorRT-LLM's run.py or vLLM's offline LLM.generate).
 
 python -m service.offline --engine engines/smollm2-135m --prompt "..." [--chat] --max-tokens 32 --temperature 0
+python -m service.offline --engine engines/smollm2-135m --prompts-file prompts.jsonl > results.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from typing import Any
 
-import numpy as np
+from build_engine.spec import EngineFormatError
+from service.engine import DEFAULT_KV_CACHE_MEMORY, EngineCore
+from service.request import GenerateRequest, InvalidRequest, RequestOutput, SamplingParams
+from service.tokenizer import ChatTemplateError, Tokenizer
 
-from build_engine.spec import EngineFormatError, load_engine_config
-from service.runners.base import ForwardBatch, SeqChunk
-from service.runners.numpy_runner import NumpyRunner
-from service.sampling import greedy, sample_temperature
-from service.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
-
-
-@dataclass(slots=True)
-class Timing:
-    prefill_ms: float  # start of the first forward pass -> first token sampled
-    decode_ms: float  # first token -> last token
-    tpot_ms: float  # decode_ms / (tokens - 1); 0 for a single token
-
-
-@dataclass(slots=True)
-class Generation:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (an EOS token) or "length" (max_tokens)
-    timing: Timing
-
-
-def generate_one(
-    runner: NumpyRunner,
-    tokenizer: Tokenizer,
-    prompt_ids: list[int],
-    max_tokens: int,
-    temperature: float = 0.0,
-    seed: int = 0,
-    ignore_eos: bool = False,
-    on_text=None,
-) -> Generation:
-    """Run one request alone: chunked prefill, then one decode step per token."""
-    cfg = runner.config
-    if len(prompt_ids) + max_tokens > cfg.limits.max_seq_len:
-        raise ValueError(
-            f"prompt ({len(prompt_ids)}) + max_tokens ({max_tokens}) exceeds max_seq_len {cfg.limits.max_seq_len}"
-        )
-    blocks = list(range(-(-(len(prompt_ids) + max_tokens) // runner.block_size)))
-    rng = np.random.default_rng(seed)
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
-    eos = set() if ignore_eos else set(cfg.tokenizer.eos_token_ids)
-    tokens: list[int] = []
-    times: list[float] = []
-    start = time.perf_counter()
-    pending, done = list(prompt_ids), 0
-    finish = "length"
-    while len(tokens) < max_tokens:
-        chunk = pending[: cfg.limits.max_num_tokens]
-        logits = runner.execute(ForwardBatch.from_chunks([SeqChunk(chunk, done, blocks)], runner.block_size))
-        done += len(chunk)
-        pending = pending[len(chunk) :]
-        if pending:  # prefill not finished: no token yet
-            continue
-        token = int(greedy(logits)[0]) if temperature == 0 else sample_temperature(logits[0], temperature, rng)
-        times.append(time.perf_counter())
-        tokens.append(token)
-        if token in eos:
-            finish = "stop"
-            break
-        if on_text is not None:
-            on_text(detok.push(token))
-        else:
-            detok.push(token)
-        pending = [token]
-    tail = detok.flush()
-    if on_text is not None and tail:
-        on_text(tail)
-    decode_ms = (times[-1] - times[0]) * 1e3
-    timing = Timing(
-        prefill_ms=(times[0] - start) * 1e3,
-        decode_ms=decode_ms,
-        tpot_ms=decode_ms / (len(tokens) - 1) if len(tokens) > 1 else 0.0,
-    )
-    return Generation(list(prompt_ids), tokens, detok.text, finish, timing)
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m service.offline", description="Generate text offline from an engine.")
     p.add_argument("--engine", required=True, help="engine directory written by python -m build_engine")
-    p.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (a user message with --chat)")
+    src.add_argument(
+        "--prompts-file",
+        help='JSONL, one request per line: {"prompt": "..."} or {"messages": [...]}, plus optional sampling fields '
+        "(max_tokens, temperature, top_p, seed, stop, ...); all run concurrently through the scheduler",
+    )
     p.add_argument("--chat", action="store_true", help="render the prompt as a user message with the chat template")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--json", action="store_true", help="print one JSON object per request instead of streaming text")
+    p.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY, help="bytes (512MiB) or a fraction of RAM")
+    p.add_argument("--no-prefix-caching", action="store_true")
     return p.parse_args(argv)
+
+
+def _encode(tokenizer: Tokenizer, spec: dict[str, Any], chat: bool) -> list[int]:
+    if "messages" in spec:
+        return tokenizer.encode_chat(spec["messages"])
+    if chat or spec.get("chat"):
+        return tokenizer.encode_chat([{"role": "user", "content": spec["prompt"]}])
+    return tokenizer.encode(spec["prompt"])
+
+
+def _requests(args: argparse.Namespace, tokenizer: Tokenizer) -> list[GenerateRequest]:
+    defaults = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+    }
+    if args.prompt is not None:
+        specs = [{"prompt": args.prompt}]
+    else:
+        with open(args.prompts_file) as f:
+            specs = [json.loads(line) for line in f if line.strip()]
+    gens = []
+    for i, spec in enumerate(specs):
+        fields = {**defaults, **{k: v for k, v in spec.items() if k in SAMPLING_FIELDS}}
+        for key in ("stop", "stop_token_ids"):
+            if key in fields:
+                fields[key] = tuple(fields[key])
+        gens.append(
+            GenerateRequest(str(spec.get("id", i)), _encode(tokenizer, spec, args.chat), SamplingParams(**fields))
+        )
+    return gens
+
+
+def _result(gen: GenerateRequest, outs: list[RequestOutput]) -> dict[str, Any]:
+    last = outs[-1]
+    timing = dataclasses.asdict(last.timing)
+    timing.pop("itl_ms")
+    return {
+        "id": gen.request_id,
+        "prompt_token_ids": gen.prompt_token_ids,
+        "token_ids": [t for o in outs for t in o.new_token_ids],
+        "text": "".join(o.new_text for o in outs),
+        "finish_reason": last.finish_reason,
+        "num_cached_tokens": last.num_cached_tokens,
+        "timing": timing,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.max_tokens <= 0 or args.temperature < 0 or not np.isfinite(args.temperature):
-        print("offline: error: --max-tokens must be > 0 and --temperature >= 0", file=sys.stderr)
-        return 2
     try:
-        config = load_engine_config(args.engine)
-        tokenizer = Tokenizer.from_engine_dir(args.engine)
-        if args.chat:
-            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-        else:
-            prompt_ids = tokenizer.encode(args.prompt)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        blocks = -(-(len(prompt_ids) + args.max_tokens) // config.limits.kv_block_size)
-        runner = NumpyRunner(Path(args.engine), num_kv_blocks=blocks, config=config)
-        stream = None if args.json else (lambda t: print(t, end="", flush=True))
-        result = generate_one(
-            runner, tokenizer, prompt_ids, args.max_tokens, args.temperature, args.seed, args.ignore_eos, stream
+        engine = EngineCore(
+            args.engine, kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching
         )
-    except (EngineFormatError, ChatTemplateError, ValueError) as exc:
+        gens = _requests(args, engine.tokenizer)
+        for gen in gens:
+            engine.add_request(gen)
+    except (EngineFormatError, ChatTemplateError, InvalidRequest, ValueError, OSError, KeyError) as exc:
         print(f"offline: error: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(asdict(result), ensure_ascii=False))
-    else:
-        t = result.timing
+    stream = args.prompt is not None and not args.json
+    outputs: dict[str, list[RequestOutput]] = {g.request_id: [] for g in gens}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+            if stream:
+                print(out.new_text, end="", flush=True)
+    elapsed = time.perf_counter() - start
+    results = [_result(g, outputs[g.request_id]) for g in gens]
+    if stream:
+        r, t = results[0], results[0]["timing"]
         print(
-            f"\n[{len(result.token_ids)} tokens, finish={result.finish_reason}; prefill {t.prefill_ms:.1f} ms "
-            f"({len(prompt_ids)} prompt tokens), decode {t.decode_ms:.1f} ms, TPOT {t.tpot_ms:.2f} ms]",
+            f"\n[{len(r['token_ids'])} tokens, finish={r['finish_reason']}; prefill {t['prefill_ms']:.1f} ms "
+            f"({len(r['prompt_token_ids'])} prompt tokens), decode {t['decode_ms']:.1f} ms, "
+            f"TPOT {t['tpot_ms']:.2f} ms]",
+            file=sys.stderr,
+        )
+    else:
+        for r in results:
+            print(json.dumps(r, ensure_ascii=False))
+        generated = sum(len(r["token_ids"]) for r in results)
+        print(
+            f"[{len(results)} requests, {generated} tokens in {elapsed:.2f} s = {generated / elapsed:.1f} tok/s]",
             file=sys.stderr,
         )
     return 0

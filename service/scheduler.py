@@ -107,15 +107,15 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         j = 0
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            if j > 0 and self.waiting[0].num_bypassed >= self.cfg.max_bypass:
+                break  # the head has been passed over enough: wait until it fits
             req = self.waiting[j]
             computed, num_cached = ([], 0)
             if req.num_computed_tokens == 0:
                 computed, num_cached = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_cached, budget)
             if self.kv.allocate_slots(req, num_new, computed) is None:
-                if self.waiting[0].num_bypassed >= self.cfg.max_bypass:
-                    break  # the head has been passed over enough: wait for room for it
-                j += 1
+                j += 1  # does not fit now: a later (smaller) request may go ahead of it, a bounded number of times
                 continue
             self.waiting.pop(j)
             if j > 0:
