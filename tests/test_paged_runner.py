@@ -11,6 +11,7 @@ from build_engine.builder import build
 from build_engine.tiny import write_tiny_checkpoint
 from service.runners.base import ForwardBatch, SeqChunk
 from service.runners.numpy_runner import NumpyRunner
+from service.runners.paged_attention import HAVE_NUMBA
 from tests.naive_llama import NaiveLlama
 
 MAX_REL_ERR = 1e-4
@@ -26,18 +27,24 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), seed=7, **VARIANTS[request.param])
 
 
-def _runner(checkpoint: Path, tmp: Path, block_size: int, num_blocks: int) -> NumpyRunner:
+def _runner(checkpoint: Path, tmp: Path, block_size: int, num_blocks: int, compiled: bool = True) -> NumpyRunner:
     out = tmp / f"engine-bs{block_size}"
-    build(str(checkpoint), out, {"kv_block_size": block_size, "max_seq_len": 512}, progress=False)
-    return NumpyRunner(out, num_kv_blocks=num_blocks)
+    if not out.exists():
+        build(str(checkpoint), out, {"kv_block_size": block_size, "max_seq_len": 512}, progress=False)
+    return NumpyRunner(out, num_kv_blocks=num_blocks, compiled_attention=compiled)
 
 
 def _rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["numba-decode", "numpy-only"])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_paged_matches_naive_for_random_mixed_batches(checkpoint: Path, tmp_path: Path, block_size: int) -> None:
+def test_paged_matches_naive_for_random_mixed_batches(
+    checkpoint: Path, tmp_path: Path, block_size: int, compiled: bool
+) -> None:
+    if compiled and not HAVE_NUMBA:
+        pytest.skip("numba is not installed")
     rng = np.random.default_rng(block_size)
     vocab = 267
     lengths = rng.integers(1, 90, size=6)  # each sequence's total tokens (prompt + "decoded")
@@ -45,7 +52,8 @@ def test_paged_matches_naive_for_random_mixed_batches(checkpoint: Path, tmp_path
     seqs = [rng.integers(0, vocab, size=n).tolist() for n in lengths]
     blocks_needed = [-(-n // block_size) for n in lengths]
     num_blocks = sum(blocks_needed) + 3
-    runner = _runner(checkpoint, tmp_path, block_size, num_blocks)
+    runner = _runner(checkpoint, tmp_path, block_size, num_blocks, compiled)
+    assert (runner.decode_attention is not None) == compiled
     pool = rng.permutation(num_blocks).tolist()  # shuffled block ids, handed out in that order
     tables = [[pool.pop() for _ in range(k)] for k in blocks_needed]
     naive = NaiveLlama(checkpoint)

@@ -18,8 +18,19 @@ from build_engine.spec import EngineConfig, load_engine_config
 from build_engine.tensor_io import SafetensorsFile
 from service.runners.base import ForwardBatch
 from service.runners.kernels import apply_rope, causal_attention, linear, rms_normalize, rope_tables, silu_mul
+from service.runners.paged_attention import HAVE_NUMBA, DecodeAttention
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """How one step's attention is split, worked out once per step and reused by every layer."""
+
+    decode_seqs: list[int]  # sequences with a single new token: the compiled paged kernel
+    decode_tokens: np.ndarray  # [Bd] their token rows in the flat batch
+    decode_inputs: tuple | None  # DecodeAttention.prepare() of their block tables
+    other_seqs: list[int]  # prefill chunks: numpy causal attention over gathered blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +44,13 @@ class LayerWeights:
 class NumpyRunner:
     """Owns the weights (memory-mapped) and the KV cache arrays."""
 
-    def __init__(self, engine_dir: str | Path, num_kv_blocks: int, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        engine_dir: str | Path,
+        num_kv_blocks: int,
+        config: EngineConfig | None = None,
+        compiled_attention: bool = HAVE_NUMBA,
+    ) -> None:
         self.config = config or load_engine_config(engine_dir)
         arch = self.config.arch
         self.block_size = self.config.limits.kv_block_size
@@ -53,6 +70,7 @@ class NumpyRunner:
         kv_shape = (arch.num_hidden_layers, num_kv_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
         self.k_cache = np.zeros(kv_shape, dtype=np.float32)  # [L, num_blocks, block_size, KV, hd]
         self.v_cache = np.zeros(kv_shape, dtype=np.float32)  # [L, num_blocks, block_size, KV, hd]
+        self.decode_attention = DecodeAttention() if compiled_attention else None
         logger.info(
             "KV cache: %d blocks x %d tokens, %.1f MiB", num_kv_blocks, self.block_size, 2 * self.k_cache.nbytes / 2**20
         )
@@ -69,6 +87,7 @@ class NumpyRunner:
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         cos = self.rope[0, batch.positions][:, None, :]  # [T, 1, hd/2]
         sin = self.rope[1, batch.positions][:, None, :]  # [T, 1, hd/2]
+        plan = self._plan(batch)
         x = self.embed[batch.token_ids]  # [T, D] residual stream (a copy: the embedding table is read-only)
         for layer, w in enumerate(self.layers):
             # attention block
@@ -76,7 +95,7 @@ class NumpyRunner:
             qkv = linear(h, w.qkv).reshape(T, H + 2 * KV, hd)  # [T, H + 2KV, hd]
             apply_rope(qkv[:, : H + KV], cos, sin)  # rotate Q and K heads together, in place
             self._write_kv(layer, qkv[:, H : H + KV], qkv[:, H + KV :], batch.slot_mapping)
-            attn = self._attention(layer, qkv[:, :H], batch)  # [T, H * hd]
+            attn = self._attention(layer, qkv[:, :H], batch, plan)  # [T, H * hd]
             x += linear(attn, w.o)  # [T, D]
             # feed-forward block
             h = rms_normalize(x, self.eps)  # [T, D]
@@ -90,12 +109,24 @@ class NumpyRunner:
         self.k_cache[layer].reshape(-1, self.n_kv_heads, self.head_dim)[slot_mapping] = k
         self.v_cache[layer].reshape(-1, self.n_kv_heads, self.head_dim)[slot_mapping] = v
 
-    def _attention(self, layer: int, q: np.ndarray, batch: ForwardBatch) -> np.ndarray:
-        # q: [T, H, hd] -> [T, H * hd]; one causal attention per sequence over the blocks of its table
+    def _plan(self, batch: ForwardBatch) -> AttentionPlan:
+        lens = np.diff(batch.query_start_loc)  # [B] new tokens per sequence
+        decode = [b for b in range(batch.num_seqs) if lens[b] == 1] if self.decode_attention else []
+        inputs = None
+        if decode:
+            inputs = self.decode_attention.prepare([batch.block_tables[b] for b in decode], batch.seq_lens[decode])
+        others = [b for b in range(batch.num_seqs) if not decode or lens[b] != 1]
+        return AttentionPlan(decode, batch.query_start_loc[decode], inputs, others)
+
+    def _attention(self, layer: int, q: np.ndarray, batch: ForwardBatch, plan: AttentionPlan) -> np.ndarray:
+        # q: [T, H, hd] -> [T, H * hd]
         out = np.empty((batch.num_tokens, self.n_heads * self.head_dim), dtype=np.float32)
         k_layer, v_layer = self.k_cache[layer], self.v_cache[layer]  # [num_blocks, block_size, KV, hd]
+        if plan.decode_seqs:
+            rows = plan.decode_tokens
+            out[rows] = self.decode_attention(q[rows], k_layer, v_layer, plan.decode_inputs).reshape(len(rows), -1)
         qsl = batch.query_start_loc
-        for b in range(batch.num_seqs):
+        for b in plan.other_seqs:  # one causal attention per sequence over the blocks of its table
             ctx = int(batch.seq_lens[b])
             table = batch.block_tables[b]
             k = k_layer[table].reshape(-1, self.n_kv_heads, self.head_dim)[:ctx]  # [ctx, KV, hd] gathered
