@@ -27,17 +27,19 @@ def median_time(fn: Callable[[], object], runs: int, warmup: int = 1) -> float:
     return statistics.median(samples)
 
 
-def read_bandwidth_gbs(runs: int = 5, size_mb: int = 512) -> dict[str, float]:
-    """Read bandwidth of large arrays: numpy sum on 1 and 2 threads, and a BLAS GEMV streaming a matrix."""
+def read_bandwidth_gbs(runs: int = 5, size_mb: int = 576) -> dict[str, float]:
+    """Read bandwidth of a large array: numpy sum on 1 and 2 threads, and BLAS GEMVs streaming it as a matrix
+    of 1024 columns and of 576 columns (the hidden size of SmolLM2, the shape decode reads)."""
     x = np.random.default_rng(0).random(size_mb * 1024 * 1024 // 4, dtype=np.float32)
     halves = np.split(x, 2)
-    matrix, vec = x.reshape(-1, 1024), np.ones(1024, dtype=np.float32)
+    wide, narrow = x.reshape(-1, 1024), x[: x.size // 576 * 576].reshape(-1, 576)
     with ThreadPoolExecutor(2) as pool:
         two = median_time(lambda: list(pool.map(np.sum, halves)), runs)
     return {
         "sum_1_thread": x.nbytes / median_time(x.sum, runs) / 1e9,
         "sum_2_threads": x.nbytes / two / 1e9,
-        "gemv": x.nbytes / median_time(lambda: matrix @ vec, runs) / 1e9,
+        "gemv_1024": x.nbytes / median_time(lambda: wide @ np.ones(1024, np.float32), runs) / 1e9,
+        "gemv_576": narrow.nbytes / median_time(lambda: narrow @ np.ones(576, np.float32), runs) / 1e9,
     }
 
 
