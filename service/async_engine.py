@@ -102,11 +102,13 @@ class AsyncEngine:
         config: AsyncEngineConfig | None = None,
         on_step: Callable[[StepStats, list[RequestOutput]], None] | None = None,
         on_health_change: Callable[[bool], None] | None = None,
+        on_idle: Callable[[int, int, int], None] | None = None,
     ) -> None:
         self.core = core
         self.config = config or AsyncEngineConfig(max_queue=core.sched_cfg.max_queue)
         self._on_step = on_step
         self._on_health_change = on_health_change
+        self._on_idle = on_idle  # (KV blocks used, waiting, running) after aborts when no step follows
         self._loop: asyncio.AbstractEventLoop | None = None
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._queued: set[str] = set()  # accepted, not yet scheduled (the bounded queue)
@@ -130,6 +132,15 @@ class AsyncEngine:
         self._accepting = True
         self._thread.start()
         self._watchdog.start()
+
+    def observe(
+        self,
+        on_step: Callable[[StepStats, list[RequestOutput]], None] | None = None,
+        on_idle: Callable[[int, int, int], None] | None = None,
+    ) -> None:
+        """Attach observers (metrics) of steps and of idle-time state changes."""
+        self._on_step = on_step
+        self._on_idle = on_idle
 
     @property
     def is_healthy(self) -> bool:
@@ -211,6 +222,9 @@ class AsyncEngine:
                 break
             if not core.has_unfinished_requests():
                 self._deliver(outputs, [])
+                if outputs and self._on_idle is not None:
+                    sched = core.scheduler
+                    self._on_idle(core.kv.pool.num_used_blocks, sched.num_waiting, sched.num_running)
                 self._wake.wait(self.config.idle_wait_s)
                 self._wake.clear()
                 continue

@@ -1,0 +1,88 @@
+"""What the command-line clients share: channels (TLS, auth), and sampling flags -> a GenerateRequest."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import grpc
+
+from protos.llm.v1 import llm_pb2
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="127.0.0.1:50051", help="server address host:port")
+    p.add_argument("--tls-ca", help="CA certificate (PEM) to verify the server; enables TLS")
+    p.add_argument("--tls-cert", help="client certificate (PEM), for mutual TLS")
+    p.add_argument("--tls-key", help="client private key (PEM), for mutual TLS")
+    p.add_argument("--tls-server-name", help="expected server name in its certificate (default: the target host)")
+    p.add_argument("--auth-token-file", help="file holding the bearer token")
+
+
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+    if args.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", args.tls_server_name))
+    if args.tls_ca:
+        key = Path(args.tls_key).read_bytes() if args.tls_key else None
+        cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
+        creds = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes(), key, cert)
+        return grpc.secure_channel(args.target, creds, options=options)
+    return grpc.insecure_channel(args.target, options=options)
+
+
+def call_metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
+    if not args.auth_token_file:
+        return []
+    return [("authorization", f"Bearer {Path(args.auth_token_file).read_text().strip()}")]
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling and stopping (unset: the server's defaults)")
+    g.add_argument("--max-tokens", type=int)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--presence-penalty", type=float)
+    g.add_argument("--frequency-penalty", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, help="log-probabilities of the chosen token and the top N")
+    g.add_argument("--priority", type=int, default=0)
+    g.add_argument("--request-id", default="")
+
+
+def build_request(args: argparse.Namespace, prompt: str, chat: bool) -> llm_pb2.GenerateRequest:
+    """Exactly what the flags say; the client does not second-guess the server's validation."""
+    req = llm_pb2.GenerateRequest(request_id=args.request_id, priority=args.priority)
+    if chat:
+        req.messages.messages.add(role="user", content=prompt)
+    else:
+        req.prompt = prompt
+    for name in (
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+    ):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(req.sampling, name, value)
+    if args.max_tokens is not None:
+        req.stopping.max_tokens = args.max_tokens
+    req.stopping.min_tokens = args.min_tokens
+    req.stopping.stop.extend(args.stop)
+    req.stopping.stop_token_ids.extend(args.stop_token_id)
+    req.stopping.ignore_eos = args.ignore_eos
+    if args.logprobs is not None:
+        req.output.logprobs = args.logprobs
+    return req

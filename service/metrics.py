@@ -1,0 +1,124 @@
+"""Prometheus metrics of the service (prometheus-client), one registry per server instance.
+
+Updated from the engine thread after every step (gauges, token counters, per-request histograms) and from
+the servicer when an RPC ends (requests by final status code). Names follow vLLM's, with an `llm_` prefix.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from service.request import RequestOutput
+from service.roofline import Ceilings
+from service.stats import StepStats
+
+# Fine at the low end: decode steps of a small model take a few milliseconds (vllm#55276: a 10 ms smallest
+# bucket makes fast-decode percentiles unrecoverable).
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+)  # fmt: skip
+
+
+class ServiceMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.ttft = hist("llm_time_to_first_token_seconds", "Arrival to first token.")
+        self.tpot = hist("llm_time_per_output_token_seconds", "Per request: (last - first token) / (tokens - 1).")
+        self.itl = hist("llm_inter_token_latency_seconds", "Gap between consecutive tokens of a request.")
+        self.e2e = hist("llm_e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue = hist("llm_request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill = hist("llm_request_prefill_time_seconds", "First scheduled to first token.")
+        self.decode = hist("llm_request_decode_time_seconds", "First token to last token.")
+        self.step_time = Histogram(
+            "llm_step_duration_seconds",
+            "Forward pass time of an engine step, by phase (prefill: only prompt tokens, decode: only "
+            "generated tokens, mixed: both).",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_gflops = Gauge(
+            "llm_step_achieved_gflops", "Achieved GFLOP/s of the last step of each phase.", ["phase"], registry=r
+        )
+        self.step_gbs = Gauge(
+            "llm_step_achieved_gbytes_per_second",
+            "Achieved GB/s of the last step of each phase.",
+            ["phase"],
+            registry=r,
+        )
+        self.machine_gflops = Gauge("llm_machine_gemm_gflops", "Measured fp32 GEMM rate of this machine.", registry=r)
+        self.machine_gbs = Gauge(
+            "llm_machine_read_gbytes_per_second", "Measured read bandwidth of this machine.", registry=r
+        )
+        self.running = Gauge("llm_num_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("llm_num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
+        self.blocks_total = Gauge("llm_kv_cache_blocks_total", "KV cache blocks in the pool.", registry=r)
+        self.blocks_used = Gauge("llm_kv_cache_blocks_used", "KV cache blocks held by requests.", registry=r)
+        self.prompt_tokens = Counter("llm_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.cached_tokens = Counter(
+            "llm_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", registry=r
+        )
+        self.generation_tokens = Counter("llm_generation_tokens", "Generated tokens.", registry=r)
+        self.preemptions = Counter("llm_num_preemptions", "Requests preempted (recomputed later).", registry=r)
+        self.requests = Counter(
+            "llm_requests", "Finished Generate RPCs by final gRPC status code.", ["code"], registry=r
+        )
+
+    def set_static(self, num_kv_blocks: int, ceilings: Ceilings | None) -> None:
+        self.blocks_total.set(num_kv_blocks)
+        if ceilings is not None:
+            self.machine_gflops.set(ceilings.gemm_gflops)
+            self.machine_gbs.set(ceilings.read_gbytes_per_s)
+
+    def on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
+        """Called in the engine thread after every step."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.blocks_used.set(stats.kv_blocks_used)
+        if stats.num_preempted:
+            self.preemptions.inc(stats.num_preempted)
+        if stats.num_prefill_tokens and stats.num_decode_tokens:
+            phase = "mixed"
+        else:
+            phase = "prefill" if stats.num_prefill_tokens else "decode"
+        self.step_time.labels(phase).observe(stats.forward_ms / 1e3)
+        self.step_gflops.labels(phase).set(stats.gflops_per_s)
+        self.step_gbs.labels(phase).set(stats.gbytes_per_s)
+        generated = sum(len(o.new_token_ids) for o in outputs)
+        if generated:
+            self.generation_tokens.inc(generated)
+        for out in outputs:
+            if out.finished:
+                self.request_finished(out)
+
+    def on_idle(self, num_used_blocks: int, num_waiting: int, num_running: int) -> None:
+        """Gauges after aborts, when no step ran."""
+        self.blocks_used.set(num_used_blocks)
+        self.waiting.set(num_waiting)
+        self.running.set(num_running)
+
+    def request_finished(self, out: RequestOutput) -> None:
+        t = out.timing
+        self.prompt_tokens.inc(out.num_prompt_tokens)
+        self.cached_tokens.inc(out.num_cached_tokens)
+        if t is None:
+            return
+        self.e2e.observe(t.e2e_ms / 1e3)
+        self.queue.observe(t.queue_ms / 1e3)
+        if out.num_output_tokens:
+            self.ttft.observe(t.ttft_ms / 1e3)
+            self.prefill.observe(t.prefill_ms / 1e3)
+            self.decode.observe(t.decode_ms / 1e3)
+        if out.num_output_tokens > 1:
+            self.tpot.observe(t.tpot_ms / 1e3)
+        for gap in t.itl_ms:
+            self.itl.observe(gap / 1e3)
+
+    def rpc_finished(self, code: str) -> None:
+        self.requests.labels(code).inc()

@@ -1,0 +1,191 @@
+"""Protobuf request -> domain request, checking every field before any work (the servicer's edge).
+
+Every error is an InvalidRequest whose message names the field and the limit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from dataclasses import dataclass
+
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError, Message
+
+from protos.llm.v1 import llm_pb2
+from service.request import GenerateRequest, InvalidRequest, SamplingParams
+from service.tokenizer import ChatTemplateError, Tokenizer
+
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+MAX_CHAT_MESSAGES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the servicer checks requests against (from the engine)."""
+
+    vocab_size: int
+    max_seq_len: int
+
+
+def parse(message_type: type[Message], raw: bytes) -> Message:
+    """Parse request bytes; malformed input is INVALID_ARGUMENT naming the bad field when it can be found."""
+    try:
+        return message_type.FromString(raw)
+    except DecodeError:
+        path = _invalid_utf8_field(raw, message_type.DESCRIPTOR)
+        if path is not None:
+            raise InvalidRequest(f"{path} is not valid UTF-8") from None
+        raise InvalidRequest(f"request is not a valid {message_type.DESCRIPTOR.full_name} message") from None
+
+
+def _varint(raw: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(raw) or shift > 63:
+            raise ValueError("truncated varint")
+        byte = raw[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not byte & 0x80:
+            return value, pos
+
+
+def _invalid_utf8_field(raw: bytes, desc: Descriptor, prefix: str = "", depth: int = 0) -> str | None:
+    """Walk the wire format (proto3: varint, 64-bit, length-delimited, 32-bit) to the string that is not UTF-8."""
+    pos = 0
+    counts: dict[int, int] = {}
+    try:
+        while pos < len(raw) and depth < 8:
+            key, pos = _varint(raw, pos)
+            number, wire_type = key >> 3, key & 7
+            if wire_type == 0:
+                _, pos = _varint(raw, pos)
+                continue
+            if wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+                continue
+            if wire_type != 2:
+                return None
+            length, pos = _varint(raw, pos)
+            chunk, pos = raw[pos : pos + length], pos + length
+            field = desc.fields_by_number.get(number)
+            if field is None:
+                continue
+            index = counts.get(number, 0)
+            counts[number] = index + 1
+            name = prefix + field.name + (f"[{index}]" if field.is_repeated else "")
+            if field.type == FieldDescriptor.TYPE_STRING:
+                try:
+                    chunk.decode("utf-8")
+                except UnicodeDecodeError:
+                    return name
+            elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                found = _invalid_utf8_field(chunk, field.message_type, name + ".", depth + 1)
+                if found is not None:
+                    return found
+    except ValueError:
+        return None
+    return None
+
+
+def _sampling(req: llm_pb2.GenerateRequest) -> SamplingParams:
+    s, st, out = req.sampling, req.stopping, req.output
+    values: dict = {}
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if s.HasField(name):
+            value = getattr(s, name)
+            if not math.isfinite(value):
+                raise InvalidRequest(f"sampling.{name} must be a finite number, got {value}")
+            values[name] = value
+    if s.HasField("top_k"):
+        values["top_k"] = s.top_k
+    if s.HasField("seed"):
+        values["seed"] = s.seed
+    if st.HasField("max_tokens"):
+        values["max_tokens"] = st.max_tokens
+    if out.HasField("logprobs"):
+        values["logprobs"] = out.logprobs
+    values.update(
+        min_tokens=st.min_tokens,
+        stop=tuple(st.stop),
+        stop_token_ids=tuple(st.stop_token_ids),
+        ignore_eos=st.ignore_eos,
+        skip_special_tokens=not out.include_special_tokens,
+    )
+    try:
+        return SamplingParams(**values)
+    except InvalidRequest as exc:  # name the field as the proto spells it
+        raise InvalidRequest(_proto_path(str(exc))) from None
+
+
+_PROTO_PREFIX = {
+    "max_tokens": "stopping.",
+    "min_tokens": "stopping.",
+    "stop ": "stopping.",
+    "each stop": "stopping.",
+    "stop_token_ids": "stopping.",
+    "logprobs": "output.",
+}
+
+
+def _proto_path(message: str) -> str:
+    for field, prefix in _PROTO_PREFIX.items():
+        if message.startswith(field):
+            return prefix + message
+    return "sampling." + message
+
+
+def _check_token_ids(ids: list[int], limits: Limits, field: str) -> None:
+    bad = next((t for t in ids if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"{field} contains token id {bad}, outside the vocabulary [0, {limits.vocab_size})")
+
+
+def chat_messages(msgs: llm_pb2.ChatMessages) -> list[dict[str, str]]:
+    if not msgs.messages:
+        raise InvalidRequest("messages.messages must hold at least one message")
+    if len(msgs.messages) > MAX_CHAT_MESSAGES:
+        raise InvalidRequest(f"messages.messages allows at most {MAX_CHAT_MESSAGES} messages")
+    return [{"role": m.role, "content": m.content} for m in msgs.messages]
+
+
+def prompt_ids(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequest("one of prompt, prompt_token_ids or messages is required")
+    if kind == "prompt_token_ids":
+        ids = list(req.prompt_token_ids.ids)
+        _check_token_ids(ids, limits, "prompt_token_ids.ids")
+    elif kind == "prompt":
+        if len(req.prompt) > limits.max_seq_len * 32:  # far beyond any prompt that fits: do not tokenize it
+            raise InvalidRequest(f"prompt of {len(req.prompt)} characters cannot fit max_seq_len {limits.max_seq_len}")
+        ids = tokenizer.encode(req.prompt)
+    else:
+        try:
+            add = not req.messages.HasField("add_generation_prompt") or req.messages.add_generation_prompt
+            ids = tokenizer.encode_chat(chat_messages(req.messages), add_generation_prompt=add)
+        except ChatTemplateError as exc:
+            raise InvalidRequest(f"messages: {exc}") from None
+    if not ids:
+        raise InvalidRequest(f"{kind} is empty")
+    if len(ids) >= limits.max_seq_len:
+        raise InvalidRequest(f"{kind} has {len(ids)} tokens; max_seq_len is {limits.max_seq_len}")
+    return ids
+
+
+def to_domain(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> GenerateRequest:
+    """Check and convert a Generate request (raises InvalidRequest naming the field)."""
+    request_id = req.request_id or uuid.uuid4().hex
+    if not REQUEST_ID.fullmatch(request_id):
+        raise InvalidRequest("request_id must be 1 to 128 printable ASCII characters without spaces")
+    sampling = _sampling(req)  # cheap checks first, before tokenizing
+    ids = prompt_ids(req, tokenizer, limits)
+    total = len(ids) + sampling.max_tokens
+    if total > limits.max_seq_len:
+        raise InvalidRequest(
+            f"prompt ({len(ids)} tokens) + stopping.max_tokens ({sampling.max_tokens}) = {total} exceeds "
+            f"max_seq_len {limits.max_seq_len}"
+        )
+    return GenerateRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling, priority=req.priority)

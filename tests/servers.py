@@ -1,0 +1,81 @@
+"""Run an LLMServer on 127.0.0.1 with ephemeral ports, in its own event loop thread, for tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import threading
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import replace
+
+import grpc
+
+from protos.llm.v1 import llm_pb2_grpc
+from service.server import LLMServer, ServerConfig
+
+
+class ServerThread:
+    def __init__(self, cfg: ServerConfig) -> None:
+        self.server = LLMServer(cfg)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self, wait_ready: bool = True) -> ServerThread:
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(self.server.start(), self.loop)
+        self.startup = future
+        if wait_ready:
+            future.result(timeout=120)
+        return self
+
+    def run(self, coro, timeout: float = 60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.run(self.server.drain_and_stop(0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.target)
+
+    def stub(self) -> llm_pb2_grpc.LLMServiceStub:
+        return llm_pb2_grpc.LLMServiceStub(self.channel())
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One sample of the Prometheus exposition, scraped over HTTP."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.server.metrics_port}/metrics", timeout=5).read().decode()
+        pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)"
+        m = re.search("^" + pattern + "$", text, re.M)
+        if m is None:
+            raise KeyError(f"{name}{{{labels}}} not in the exposition")
+        return float(m.group(1))
+
+
+def make_config(engine_dir, **overrides) -> ServerConfig:
+    base = ServerConfig(
+        engine_dir=str(engine_dir),
+        host="127.0.0.1",
+        port=0,
+        metrics_port=0,
+        kv_cache_memory="256MiB",
+        measure_ceilings=False,
+        drain_timeout_s=5,
+    )
+    return replace(base, **overrides)
+
+
+@contextlib.contextmanager
+def running_server(engine_dir, **overrides) -> Iterator[ServerThread]:
+    server = ServerThread(make_config(engine_dir, **overrides)).start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,94 @@
+"""TLS and mutual TLS: good clients connect; plaintext, wrong-CA and certificate-less clients do not."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+
+from build_engine.builder import build
+from protos.llm.v1 import llm_pb2, llm_pb2_grpc
+from tests.servers import running_server
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _ca(d: Path, name: str) -> None:
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "2", "-subj", f"/CN={name}", cwd=d)  # fmt: skip
+
+
+def _leaf(d: Path, name: str, ca: str, san: str) -> None:
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)  # fmt: skip
+    (d / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key", "-CAcreateserial",
+             "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    _ca(d, "ca")
+    _ca(d, "rogue-ca")
+    _leaf(d, "server", "ca", "DNS:localhost,IP:127.0.0.1")
+    _leaf(d, "client", "ca", "DNS:client")
+    _leaf(d, "rogue-client", "rogue-ca", "DNS:client")
+    return d
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("engines") / "tiny-tls"
+    build("tiny-random", out, {"max_seq_len": 256}, progress=False)
+    return out
+
+
+def _call(channel: grpc.Channel) -> grpc.StatusCode:
+    try:
+        llm_pb2_grpc.LLMServiceStub(channel).GetModelInfo(llm_pb2.GetModelInfoRequest(), timeout=5)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as err:
+        return err.code()
+
+
+def _secure(target: str, pki: Path, ca: str = "ca", client: str | None = None) -> grpc.Channel:
+    key = (pki / f"{client}.key").read_bytes() if client else None
+    cert = (pki / f"{client}.crt").read_bytes() if client else None
+    creds = grpc.ssl_channel_credentials((pki / f"{ca}.crt").read_bytes(), key, cert)
+    return grpc.secure_channel(target, creds)
+
+
+def test_tls(engine_dir: Path, pki: Path) -> None:
+    with running_server(engine_dir, tls_cert=str(pki / "server.crt"), tls_key=str(pki / "server.key")) as srv:
+        assert _call(_secure(srv.target, pki)) == grpc.StatusCode.OK
+        assert _call(grpc.insecure_channel(srv.target)) == grpc.StatusCode.UNAVAILABLE
+        assert _call(_secure(srv.target, pki, ca="rogue-ca")) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mutual_tls(engine_dir: Path, pki: Path) -> None:
+    overrides = {
+        "tls_cert": str(pki / "server.crt"),
+        "tls_key": str(pki / "server.key"),
+        "tls_client_ca": str(pki / "ca.crt"),
+    }
+    with running_server(engine_dir, **overrides) as srv:
+        assert _call(_secure(srv.target, pki, client="client")) == grpc.StatusCode.OK
+        assert _call(_secure(srv.target, pki)) == grpc.StatusCode.UNAVAILABLE  # no client certificate
+        assert _call(_secure(srv.target, pki, client="rogue-client")) == grpc.StatusCode.UNAVAILABLE
+        assert _call(grpc.insecure_channel(srv.target)) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_tls_key_without_cert_is_refused(engine_dir: Path, pki: Path) -> None:
+    from service.server import LLMServer
+    from tests.servers import make_config
+
+    server = LLMServer(make_config(engine_dir, tls_key=str(pki / "server.key")))
+    import asyncio
+
+    with pytest.raises(ValueError, match="go together"):
+        asyncio.run(server.start())
