@@ -225,16 +225,15 @@ class LLMServer:
         await self.health.enter_graceful_shutdown()
         if self.engine is not None:
             self.engine.stop_accepting()
+        self.servicer.draining = True  # every new LLMService RPC now gets UNAVAILABLE
+        # NOTE: server.stop(grace) would also wait out health Watch streams, which never end; so wait for the
+        # Generate streams in flight only, then stop with no grace (one stop() call: concurrent calls crash grpc).
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.servicer.num_active and loop.time() < deadline:
+            await asyncio.sleep(0.02)
         if self._server is not None:
-            # stop() refuses new RPCs at once but waits the whole grace period for *every* open RPC, health
-            # Watch streams included; so wait for the Generate streams only, then cancel whatever is left.
-            stopping = asyncio.ensure_future(self._server.stop(timeout))
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
-            while self.servicer.num_active and loop.time() < deadline:
-                await asyncio.sleep(0.02)
             await self._server.stop(0)
-            await stopping
         if self.engine is not None:
             await self.engine.shutdown()
         if self._metrics_http is not None:

@@ -73,8 +73,11 @@ class LLMServicer:
         self.metrics = metrics
         self.log_prompts = log_prompts
         self.num_active = 0  # Generate RPCs in progress (the drain waits for them)
+        self.draining = False  # set on shutdown: new RPCs get UNAVAILABLE
 
     def _ready(self) -> AsyncEngine:
+        if self.draining:
+            raise EngineUnavailable("the server is shutting down")
         engine = self._engine()
         if engine is None:
             raise EngineUnavailable("the engine is still loading")
