@@ -1,0 +1,1 @@
+"""Load-test client (python -m clients.loadtest): workloads, load generation, metrics, reports."""

@@ -1,0 +1,190 @@
+"""Load-test client: python -m clients.loadtest --target HOST:PORT --concurrency 1,4,16,64 ...
+
+Closed-loop concurrency sweeps or open-loop request-rate sweeps (Poisson or gamma arrivals) against the llm.v1
+service or a Triton server running the TensorRT-LLM ensemble. Reports TTFT, TPOT, ITL and E2E percentiles,
+throughputs and goodput per sweep point (metric definitions and the results format: docs/loadtest.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from clients.common import add_connection_args, call_metadata, open_channel
+from clients.loadtest import report
+from clients.loadtest.backends import Backend, LLMBackend, Sampling, TritonBackend
+from clients.loadtest.driver import closed_loop, open_loop
+from clients.loadtest.metrics import SLO, RequestRecord, summarize
+from clients.loadtest.workload import TokenizerFns, load
+from protos.llm.v1 import llm_pb2, llm_pb2_grpc
+
+
+def _range(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    lo, _, hi = text.partition(":")
+    if not lo.isdigit() or not hi.isdigit() or int(lo) > int(hi) or int(lo) < 1:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX, got {text!r}")
+    return int(lo), int(hi)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m clients.loadtest", description=__doc__.splitlines()[0])
+    add_connection_args(p)
+    p.add_argument("--protocol", choices=["llm", "triton"], default="llm", help="llm.v1 (default) or Triton KServe v2")
+    p.add_argument("--model", default="ensemble", help="Triton model name (with --protocol triton)")
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset", default="synthetic", help="'synthetic', a JSONL prompt file, or a ShareGPT JSON file")
+    w.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens")
+    w.add_argument("--output-len", type=int, default=128, help="tokens to generate (max_tokens)")
+    w.add_argument("--input-len-range", type=_range, help="MIN:MAX, synthetic prompt lengths drawn uniformly")
+    w.add_argument("--output-len-range", type=_range, help="MIN:MAX, output lengths drawn uniformly")
+    w.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens tokens")
+    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrival process")
+    w.add_argument("--tokenizer", help="tokenizer.json or engine dir (default for llm: the server's Tokenize RPC)")
+    load_args = p.add_argument_group("load (each sweep point is one run)")
+    mode = load_args.add_mutually_exclusive_group()
+    mode.add_argument("--concurrency", help="closed loop: comma-separated concurrency levels, e.g. 1,4,16,64")
+    mode.add_argument("--request-rate", help="open loop: comma-separated request rates per second")
+    load_args.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
+    load_args.add_argument("--num-requests", type=int, default=64, help="requests per run (default 64)")
+    load_args.add_argument("--duration", type=float, help="send for this many seconds instead of --num-requests")
+    load_args.add_argument("--warmup", type=int, default=2, help="uncounted requests before each run")
+    load_args.add_argument("--time-limit", type=float, default=600.0, help="hard limit per run, seconds")
+    out = p.add_argument_group("results")
+    out.add_argument("--slo", nargs="*", default=[], help="goodput SLOs: ttft_ms=MS tpot_ms=MS e2e_ms=MS")
+    out.add_argument("--output", type=Path, help="write the results JSON here")
+    out.add_argument("--csv", type=Path, help="write one CSV row per run here")
+    out.add_argument("--plot", type=Path, help="write PNG plots into this directory")
+    return p.parse_args(argv)
+
+
+def tokenizer_fns(args: argparse.Namespace) -> TokenizerFns:
+    if args.tokenizer:
+        from tokenizers import Tokenizer
+
+        path = Path(args.tokenizer)
+        tok = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+        return TokenizerFns(lambda s: tok.encode(s).ids, lambda ids: tok.decode(ids, skip_special_tokens=False))
+    if args.protocol == "triton":
+        raise SystemExit("loadtest: error: --protocol triton needs --tokenizer to build and count text prompts")
+    stub = llm_pb2_grpc.LLMServiceStub(open_channel(args))
+    metadata = call_metadata(args)
+
+    def encode(text: str) -> list[int]:
+        return list(stub.Tokenize(llm_pb2.TokenizeRequest(text=text), metadata=metadata, timeout=30).token_ids)
+
+    return TokenizerFns(encode, None)  # the llm protocol takes token ids: synthetic prompts are exact
+
+
+def make_backend(args: argparse.Namespace) -> Backend:
+    if args.protocol == "triton":
+        return TritonBackend(args.target, args.model)
+    creds = None
+    if args.tls_ca:
+        key = Path(args.tls_key).read_bytes() if args.tls_key else None
+        cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
+        creds = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes(), key, cert)
+    return LLMBackend(args.target, creds, call_metadata(args))
+
+
+async def run_sweep(args: argparse.Namespace, console: Console) -> list[dict]:
+    rng = np.random.default_rng(args.seed)
+    tok = tokenizer_fns(args)
+    sampling = Sampling(temperature=args.temperature, ignore_eos=args.ignore_eos)
+    levels = [("concurrency", int(c)) for c in (args.concurrency or "1").split(",")]
+    if args.request_rate:
+        levels = [("request_rate", float(r)) for r in args.request_rate.split(",")]
+    slo = SLO.parse(args.slo)
+    backend = make_backend(args)
+    runs = []
+    try:
+        for kind, level in levels:
+            n = args.num_requests
+            items = load(
+                args.dataset, tok, n, args.input_len, args.output_len, rng, args.input_len_range, args.output_len_range
+            )
+            for item in items[: args.warmup]:
+                await backend.send(item, sampling, RequestRecord(input_tokens=item.input_tokens))
+            with Progress(
+                TextColumn(f"[bold]{kind}={level:g}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                console=console, transient=True,
+            ) as progress:  # fmt: skip
+                task = progress.add_task("requests", total=None if args.duration else len(items))
+
+                def advance(_rec: RequestRecord, task=task, progress=progress) -> None:
+                    progress.advance(task)
+
+                if kind == "concurrency":
+                    records, duration = await closed_loop(
+                        backend, items, level, sampling, args.time_limit, args.duration, advance
+                    )
+                else:
+                    records, duration = await open_loop(
+                        backend, items, level, sampling, args.time_limit, args.burstiness, rng, args.duration, advance
+                    )
+            summary = {kind: level, **summarize(records, duration, slo)}
+            ok = [r for r in records if r.ok]
+            summary["_samples"] = {
+                "ttft_ms": [r.ttft_ms for r in ok if r.ttft_ms is not None],
+                "tpot_ms": [r.tpot_ms for r in ok if r.tpot_ms is not None],
+            }
+            runs.append(summary)
+            console.print(
+                f"{kind}={level:g}: {summary['completed']} ok, {summary['failed']} failed in {duration:.1f} s, "
+                f"{summary['output_throughput_tok_s']:.1f} output tok/s"
+            )
+    finally:
+        await backend.close()
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        console = Console(stderr=True, width=170)  # a log file: do not squeeze the table into 80 columns
+    started = time.time()
+    try:
+        runs = asyncio.run(run_sweep(args, console))
+    except grpc.RpcError as err:
+        console.print(f"loadtest: error: {err.code().name}: {err.details()}")
+        return 1
+    except (ValueError, OSError) as exc:
+        console.print(f"loadtest: error: {exc}")
+        return 2
+    report.print_table(runs, console)
+    meta = {
+        "target": args.target,
+        "protocol": args.protocol,
+        "dataset": args.dataset,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "ignore_eos": args.ignore_eos,
+        "num_requests": args.num_requests,
+        "duration": args.duration,
+        "slo": [s for s in args.slo],
+        "started_unix": started,
+        "command": "python -m clients.loadtest " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
+    if args.output:
+        report.write_json(args.output, runs, meta)
+    if args.csv:
+        report.write_csv(args.csv, runs)
+    if args.plot:
+        for path in report.write_plots(args.plot, runs):
+            console.print(f"wrote {path}")
+    return 0 if all(r["completed"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

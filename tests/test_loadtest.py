@@ -1,0 +1,230 @@
+"""Load-test client: metric math on hand-computed cases, Triton message mapping, workloads, load drivers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from clients.loadtest.backends import Sampling, parse_triton_response, triton_inputs
+from clients.loadtest.driver import closed_loop, open_loop
+from clients.loadtest.metrics import SLO, RequestRecord, stats, summarize
+from clients.loadtest.workload import TokenizerFns, WorkItem, from_jsonl, from_sharegpt, synthetic
+
+
+def _rec(send: float, chunks: list[tuple[float, int]], ok: bool = True, input_tokens: int = 10, **kw) -> RequestRecord:
+    return RequestRecord(
+        input_tokens=input_tokens,
+        send_time=send,
+        chunk_times=[t for t, _ in chunks],
+        chunk_tokens=[n for _, n in chunks],
+        ok=ok,
+        **kw,
+    )
+
+
+def test_percentiles_use_linear_interpolation() -> None:
+    s = stats([float(x) for x in range(1, 11)])  # 1..10
+    assert s == pytest.approx({"mean": 5.5, "min": 1.0, "max": 10.0, "p50": 5.5, "p90": 9.1, "p95": 9.55, "p99": 9.91})
+    assert stats([]) == dict.fromkeys(("mean", "min", "max", "p50", "p90", "p95", "p99"))
+    assert stats([3.0])["p99"] == 3.0
+
+
+def test_request_metrics_by_hand() -> None:
+    r = _rec(10.0, [(10.1, 1), (10.15, 1), (10.3, 2)])  # 4 tokens in 3 chunks
+    assert r.output_tokens == 4
+    assert r.ttft_ms == pytest.approx(100)
+    assert r.e2e_ms == pytest.approx(300)
+    assert r.tpot_ms == pytest.approx((300 - 100) / 3)  # (e2e - ttft) / (tokens - 1)
+    assert r.itl_ms == pytest.approx([50, 150])  # chunk gaps
+
+
+def test_tpot_with_one_output_token_is_undefined() -> None:
+    r = _rec(0.0, [(0.2, 1)])
+    assert r.tpot_ms is None and r.itl_ms == [] and r.ttft_ms == pytest.approx(200) == r.e2e_ms
+    summary = summarize([r], 1.0, SLO(tpot_ms=1.0))
+    assert summary["tpot_ms"]["mean"] is None
+    assert summary["goodput_rps"] == 1.0  # TPOT counts as 0 for the SLO when there is one token
+
+
+def test_summary_throughputs_and_goodput() -> None:
+    records = [
+        _rec(0.0, [(0.1, 1), (0.2, 1), (0.3, 1)], input_tokens=5),  # ttft 100, tpot 100
+        _rec(0.0, [(0.5, 1), (0.6, 1)], input_tokens=7),  # ttft 500, tpot 100
+        _rec(0.0, [(0.05, 1), (0.45, 1)], input_tokens=3),  # ttft 50, tpot 400
+        _rec(0.0, [], ok=False, error="RESOURCE_EXHAUSTED: queue full"),
+    ]
+    s = summarize(records, 2.0, SLO(ttft_ms=200, tpot_ms=200))
+    assert (s["completed"], s["failed"]) == (3, 1)
+    assert s["request_throughput_rps"] == 1.5
+    assert s["output_throughput_tok_s"] == 3.5  # 7 tokens / 2 s
+    assert s["total_throughput_tok_s"] == 11.0  # (15 + 7) / 2
+    assert s["goodput_rps"] == 0.5  # only the first meets both SLOs
+    assert s["ttft_ms"]["p50"] == pytest.approx(100)
+    assert s["errors"] == ["RESOURCE_EXHAUSTED: queue full"]
+    assert SLO.parse(["ttft_ms=200", "tpot_ms=50"]) == SLO(ttft_ms=200, tpot_ms=50)
+    with pytest.raises(ValueError):
+        SLO.parse(["latency=3"])
+
+
+def test_server_timers_and_gap() -> None:
+    r = _rec(0.0, [(0.1, 1), (0.2, 1)], server_ttft_ms=95.0, server_tpot_ms=99.0)
+    s = summarize([r], 1.0, SLO())
+    assert s["server_ttft_ms"]["p50"] == 95.0 and s["server_tpot_ms"]["p50"] == 99.0
+    assert s["ttft_gap_ms"]["p50"] == pytest.approx(5.0)
+
+
+# ---- Triton mapping, against tritonclient's own message types ------------------------------------------------
+def test_triton_inputs_match_the_ensemble_contract() -> None:
+    item = WorkItem("Hello world", None, 2, 64)
+    inputs = {i.name(): i for i in triton_inputs(item, Sampling(temperature=0.5, seed=7))}
+    assert {n: (i.datatype(), i.shape()) for n, i in inputs.items() if n in ("text_input", "max_tokens", "stream")} == {
+        "text_input": ("BYTES", [1, 1]),
+        "max_tokens": ("INT32", [1, 1]),
+        "stream": ("BOOL", [1, 1]),
+    }
+    assert inputs["temperature"].datatype() == "FP32" and inputs["seed"].datatype() == "UINT64"
+    assert inputs["return_perf_metrics"].datatype() == "BOOL"
+    tensor = inputs["max_tokens"]._get_tensor()
+    assert tensor.name == "max_tokens" and list(tensor.shape) == [1, 1]
+    assert np.frombuffer(inputs["max_tokens"]._get_content(), dtype=np.int32).tolist() == [64]
+    assert inputs["text_input"]._get_content()[4:] == b"Hello world"  # 4-byte length prefix, then the bytes
+    with pytest.raises(ValueError, match="tokenizer"):
+        triton_inputs(WorkItem(None, [1, 2], 2, 8), Sampling())
+
+
+def _infer_result(text: bytes | None, final: bool, **int_outputs: int):
+    from tritonclient.grpc import InferResult, service_pb2
+    from tritonclient.utils import serialize_byte_tensor
+
+    resp = service_pb2.ModelInferResponse(model_name="ensemble", id="r1")
+    if text is not None:
+        resp.outputs.add(name="text_output", datatype="BYTES", shape=[1, 1])
+        resp.raw_output_contents.append(serialize_byte_tensor(np.array([text], dtype=np.object_)).item())
+    for name, value in int_outputs.items():
+        dtype = "INT32" if name == "num_output_tokens" else "INT64"
+        resp.outputs.add(name=name, datatype=dtype, shape=[1, 1])
+        resp.raw_output_contents.append(np.array([value], dtype=np.int32 if dtype == "INT32" else np.int64).tobytes())
+    resp.parameters["triton_final_response"].bool_param = final
+    return InferResult(resp)
+
+
+def test_triton_streamed_responses_are_parsed() -> None:
+    first = parse_triton_response(_infer_result(b" Paris", False), 0)
+    assert (first.text, first.tokens, first.final) == (" Paris", 1, False)
+    counted = parse_triton_response(_infer_result(b" is nice", False, num_output_tokens=3), 1)
+    assert counted.tokens == 2  # cumulative count 3, one token seen before
+    timed = parse_triton_response(
+        _infer_result(
+            b".", True, arrival_time_ns=1_000_000, first_token_time_ns=21_000_000, last_token_time_ns=61_000_000
+        ),
+        4,
+    )
+    assert timed.final and timed.server_ttft_ms == pytest.approx(20.0)
+    assert timed.server_tpot_ms == pytest.approx(40.0 / 4)  # (last - first) / (5 tokens - 1)
+    empty_final = parse_triton_response(_infer_result(None, True), 5)
+    assert empty_final.final and empty_final.tokens == 0 and empty_final.text == ""
+
+
+# ---- workloads ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tok(tiny_engine_dir: Path) -> TokenizerFns:
+    from service.tokenizer import Tokenizer
+
+    t = Tokenizer.from_engine_dir(tiny_engine_dir)
+    return TokenizerFns(t.encode, t.decode)
+
+
+def test_synthetic_prompts_have_the_asked_length(tok: TokenizerFns) -> None:
+    ids_only = TokenizerFns(tok.encode, None)
+    items = synthetic(ids_only, 20, 128, 32, np.random.default_rng(0))
+    assert all(len(i.prompt_token_ids) == i.input_tokens == 128 and i.max_tokens == 32 for i in items)
+    assert len({tuple(i.prompt_token_ids) for i in items}) == 20  # different windows of the text
+    spread = synthetic(ids_only, 50, 0, 0, np.random.default_rng(1), (10, 300), (5, 9))
+    lens = [i.input_tokens for i in spread]
+    assert min(lens) >= 10 and max(lens) <= 300 and len(set(lens)) > 10
+    text = synthetic(tok, 5, 64, 8, np.random.default_rng(2))
+    assert all(i.prompt and abs(i.input_tokens - 64) <= 2 for i in text)
+
+
+def test_jsonl_and_sharegpt_datasets(tok: TokenizerFns, tmp_path: Path) -> None:
+    (tmp_path / "p.jsonl").write_text('{"prompt": "one two three"}\n\n{"prompt": "four", "max_tokens": 9}\n')
+    items = from_jsonl(tmp_path / "p.jsonl", tok, 16)
+    assert [(i.prompt, i.max_tokens) for i in items] == [("one two three", 16), ("four", 9)]
+    convs = [
+        {
+            "conversations": [
+                {"from": "human", "value": "What is a harbour?"},
+                {"from": "gpt", "value": "A sheltered place for ships."},
+            ]
+        },
+        {"conversations": [{"from": "human", "value": "hi"}]},  # no reply: skipped
+    ]
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    sg = from_sharegpt(tmp_path / "sg.json", tok, 4096, 4096)
+    assert len(sg) == 1 and sg[0].max_tokens == len(tok.encode("A sheltered place for ships."))
+
+
+# ---- drivers ------------------------------------------------------------------------------------------------
+class FakeBackend:
+    """Stands in for a server: each request takes `latency` seconds and returns `tokens` tokens."""
+
+    def __init__(self, latency: float = 0.02, tokens: int = 4) -> None:
+        self.latency, self.tokens = latency, tokens
+        self.in_flight = self.max_in_flight = 0
+        self.sent_at: list[float] = []
+
+    async def send(self, item: WorkItem, sampling: Sampling, rec: RequestRecord) -> None:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        rec.send_time = time.perf_counter()
+        self.sent_at.append(rec.send_time)
+        try:
+            for _ in range(self.tokens):
+                await asyncio.sleep(self.latency / self.tokens)
+                rec.chunk_times.append(time.perf_counter())
+                rec.chunk_tokens.append(1)
+            rec.ok = True
+        except asyncio.CancelledError:
+            rec.error = "CANCELLED: stopped at the run's time limit"
+            raise
+        finally:
+            self.in_flight -= 1
+
+    async def close(self) -> None:
+        pass
+
+
+ITEMS = [WorkItem("x", None, 1, 4)] * 40
+
+
+def test_closed_loop_keeps_the_concurrency() -> None:
+    fake = FakeBackend()
+    records, duration = asyncio.run(closed_loop(fake, ITEMS, 8, Sampling(), time_limit_s=10))
+    assert len(records) == 40 and all(r.ok for r in records)
+    assert fake.max_in_flight == 8
+    assert duration < 40 * 0.02  # concurrent, not one by one
+
+
+def test_open_loop_follows_the_rate() -> None:
+    fake = FakeBackend(latency=0.01)
+    items = [WorkItem("x", None, 1, 4)] * 100
+    records, _ = asyncio.run(open_loop(fake, items, 200.0, Sampling(), 10, rng=np.random.default_rng(0)))
+    gaps = np.diff(fake.sent_at)
+    assert len(records) == 100 and 0.003 < gaps.mean() < 0.008  # Poisson at 200/s: mean gap 5 ms
+    bursty = FakeBackend(latency=0.01)
+    asyncio.run(open_loop(bursty, items, 200.0, Sampling(), 10, burstiness=0.2, rng=np.random.default_rng(0)))
+    assert np.diff(bursty.sent_at).std() > gaps.std()  # gamma shape < 1: burstier arrivals
+
+
+def test_time_limit_cancels_and_counts_failures() -> None:
+    slow = FakeBackend(latency=5.0)
+    start = time.perf_counter()
+    records, _ = asyncio.run(closed_loop(slow, ITEMS, 4, Sampling(), time_limit_s=0.2))
+    assert time.perf_counter() - start < 2
+    assert len(records) == 4 and not any(r.ok for r in records)
+    assert all(r.error.startswith("CANCELLED") for r in records)

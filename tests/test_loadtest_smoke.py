@@ -1,0 +1,66 @@
+"""A bounded end-to-end sweep of the load tester against an in-process server (real gRPC on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from build_engine.builder import build
+from clients.loadtest.__main__ import main
+from tests.servers import running_server
+
+STATS = {"mean", "min", "max", "p50", "p90", "p95", "p99"}
+RUN_KEYS = {
+    "completed", "failed", "duration_s", "request_throughput_rps", "output_throughput_tok_s", "total_throughput_tok_s",
+    "goodput_rps", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "server_ttft_ms", "server_tpot_ms",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("engines") / "tiny-loadtest"
+    build("tiny-random", out, {"max_batch_size": 16, "max_num_tokens": 128, "max_seq_len": 512}, progress=False)
+    return out
+
+
+def test_short_sweep_writes_the_results_contract(engine_dir: Path, tmp_path: Path) -> None:
+    start = time.monotonic()
+    with running_server(engine_dir) as srv:
+        code = main([
+            "--target", srv.target, "--concurrency", "1,4", "--num-requests", "8", "--input-len", "32",
+            "--output-len", "16", "--ignore-eos", "--warmup", "1", "--time-limit", "20", "--slo", "ttft_ms=5000",
+            "tpot_ms=1000", "--output", str(tmp_path / "r.json"), "--csv", str(tmp_path / "r.csv"),
+            "--plot", str(tmp_path / "plots"),
+        ])  # fmt: skip
+        rate = main([
+            "--target", srv.target, "--request-rate", "20", "--burstiness", "0.5", "--num-requests", "10",
+            "--input-len-range", "8:64", "--output-len", "8", "--ignore-eos", "--output", str(tmp_path / "rate.json"),
+        ])  # fmt: skip
+    assert time.monotonic() - start < 30
+    assert code == 0 and rate == 0
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [r["concurrency"] for r in runs] == [1, 4]
+    for r in runs:
+        assert RUN_KEYS <= set(r)
+        assert all(
+            set(r[k]) == STATS for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "server_ttft_ms", "server_tpot_ms")
+        )
+        assert r["completed"] == 8 and r["failed"] == 0 and r["output_tokens"] == 8 * 16 and r["input_tokens"] == 8 * 32
+        assert 0 < r["server_ttft_ms"]["p50"] <= r["ttft_ms"]["p50"]
+        assert r["goodput_rps"] == pytest.approx(r["request_throughput_rps"])
+    rate_runs = json.loads((tmp_path / "rate.json").read_text())["runs"]
+    assert rate_runs[0]["request_rate"] == 20 and rate_runs[0]["completed"] == 10
+    rows = list(csv.DictReader(open(tmp_path / "r.csv")))
+    assert [row["concurrency"] for row in rows] == ["1", "4"] and "ttft_ms_p99" in rows[0]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "latency_vs_throughput.png", "tpot_distribution.png", "ttft_distribution.png",
+    ]  # fmt: skip
+
+
+def test_unreachable_server_fails_cleanly(tmp_path: Path) -> None:
+    code = main(["--target", "127.0.0.1:1", "--concurrency", "1", "--num-requests", "2", "--time-limit", "5"])
+    assert code == 1
