@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import gemm_gflops, machine_line, write_section
+from benchmarks.common import gemm_gflops, machine_line, publish
 from service.engine import EngineCore
 from service.request import GenerateRequest, SamplingParams
 
@@ -120,10 +120,7 @@ def main() -> None:
         "",
         f"Single-request decode throughput (1000 / TPOT at concurrency 1): {single:.1f} tok/s.",
     ]
-    report = "\n".join(lines)
-    print(report)
-    if args.write:
-        write_section("batch_bench", report)
+    publish("batch_bench", lines, args.write)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import numpy as np
 
 from service.roofline import gemm_gflops, median_time, read_bandwidth_gbs
 
-__all__ = ["gemm_gflops", "machine_line", "median_time", "read_bandwidth_gbs", "write_section"]
+__all__ = ["gemm_gflops", "machine_line", "median_time", "publish", "read_bandwidth_gbs", "write_section"]
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
@@ -26,6 +26,14 @@ def machine_line() -> str:
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} cores, numpy {np.__version__}, Python {platform.python_version()}"
+
+
+def publish(name: str, lines: list[str], write: bool) -> None:
+    """Print a benchmark's report; with write, also put it into its section of docs/benchmarks.md."""
+    text = "\n".join(lines)
+    print(text)
+    if write:
+        write_section(name, text)
 
 
 def write_section(name: str, body: str, doc: Path = DOC) -> None:

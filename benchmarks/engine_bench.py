@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from benchmarks.common import gemm_gflops, machine_line, median_time, read_bandwidth_gbs, write_section
+from benchmarks.common import gemm_gflops, machine_line, median_time, publish, read_bandwidth_gbs
 from build_engine.spec import load_engine_config
 from service.runners import numpy_runner
 from service.runners.base import ForwardBatch, SeqChunk
@@ -191,10 +191,7 @@ def main() -> None:
         f"Prefill FLOPs counted: 2 x layer parameters x tokens + causal attention + one LM-head row = "
         f"{flops / 1e9:.1f} GFLOP. Decode runs: {', '.join(f'{t * 1e3:.1f}' for t in decode_runs)} ms/token.",
     ]
-    report = "\n".join(lines)
-    print(report)
-    if args.write:
-        write_section("engine_bench", report)
+    publish("engine_bench", lines, args.write)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
-from benchmarks.common import DOC, machine_line, write_section
+from benchmarks.common import DOC, machine_line, publish
 from clients.loadtest import report
 from clients.loadtest.__main__ import parse_args, run_sweep
 
@@ -110,10 +110,7 @@ def main() -> None:
                       f"{by_c[16]['failed']} failed requests."]  # fmt: skip
     plots = report.write_plots(IMG, runs)
     lines += ["", *(f"![{p.stem}](img/serving/{p.name})" for p in plots)]
-    text = "\n".join(lines)
-    print(text)
-    if args.write:
-        write_section("serving_bench", text)
+    publish("serving_bench", lines, args.write)
 
 
 if __name__ == "__main__":

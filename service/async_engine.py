@@ -56,15 +56,7 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     a.new_text += b.new_text
     if b.logprobs is not None:
         a.logprobs = (a.logprobs or []) + b.logprobs
-    for name in (
-        "finished",
-        "finish_reason",
-        "stop_reason",
-        "num_output_tokens",
-        "num_cached_tokens",
-        "timing",
-        "error",
-    ):
+    for name in _LATEST_FIELDS:
         setattr(a, name, getattr(b, name))
     return a
 

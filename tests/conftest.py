@@ -8,6 +8,7 @@ import pytest
 
 from build_engine.builder import build
 from build_engine.tiny import write_tiny_checkpoint
+from tests.engines import build_tiny
 
 
 @pytest.fixture(scope="session")
@@ -18,9 +19,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "tiny"
-    build("tiny-random", out, {"max_seq_len": 512, "max_num_tokens": 64, "max_batch_size": 8}, progress=False)
-    return out
+    return build_tiny(tmp_path_factory, "tiny", max_seq_len=512, max_num_tokens=64, max_batch_size=8)
 
 
 @pytest.fixture(scope="session")

@@ -9,17 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from build_engine.builder import build
 from service.async_engine import AsyncEngine, AsyncEngineConfig, EngineError, EngineUnavailable, QueueFull
 from service.engine import EngineCore
 from service.request import GenerateRequest, InvalidRequest, SamplingParams
+from tests.engines import build_tiny
 
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "tiny-async"
-    build("tiny-random", out, {"max_batch_size": 16, "max_num_tokens": 64, "max_seq_len": 512}, progress=False)
-    return out
+    return build_tiny(tmp_path_factory, "tiny-async", max_batch_size=16, max_num_tokens=64, max_seq_len=512)
 
 
 def _gen(rid: str, max_tokens: int = 16, prompt: list[int] | None = None) -> GenerateRequest:

@@ -7,18 +7,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from build_engine.builder import build
 from service.engine import EngineCore
 from service.request import GenerateRequest, RequestOutput, SamplingParams
+from tests.engines import build_tiny
 
 VOCAB = 267
 
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "tiny-batch"
-    build("tiny-random", out, {"max_batch_size": 32, "max_num_tokens": 64, "max_seq_len": 1024}, progress=False)
-    return out
+    return build_tiny(tmp_path_factory, "tiny-batch", max_batch_size=32, max_num_tokens=64, max_seq_len=1024)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

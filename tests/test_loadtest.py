@@ -13,7 +13,7 @@ import pytest
 from clients.loadtest.backends import Sampling, parse_triton_response, triton_inputs
 from clients.loadtest.driver import closed_loop, open_loop
 from clients.loadtest.metrics import SLO, RequestRecord, stats, summarize
-from clients.loadtest.workload import TokenizerFns, WorkItem, from_jsonl, from_sharegpt, synthetic
+from clients.loadtest.workload import Lengths, TokenizerFns, WorkItem, from_jsonl, from_sharegpt, synthetic
 
 
 def _rec(send: float, chunks: list[tuple[float, int]], ok: bool = True, input_tokens: int = 10, **kw) -> RequestRecord:
@@ -141,13 +141,13 @@ def tok(tiny_engine_dir: Path) -> TokenizerFns:
 
 def test_synthetic_prompts_have_the_asked_length(tok: TokenizerFns) -> None:
     ids_only = TokenizerFns(tok.encode, None)
-    items = synthetic(ids_only, 20, 128, 32, np.random.default_rng(0))
+    items = synthetic(ids_only, 20, Lengths(128, 32), np.random.default_rng(0))
     assert all(len(i.prompt_token_ids) == i.input_tokens == 128 and i.max_tokens == 32 for i in items)
     assert len({tuple(i.prompt_token_ids) for i in items}) == 20  # different windows of the text
-    spread = synthetic(ids_only, 50, 0, 0, np.random.default_rng(1), (10, 300), (5, 9))
+    spread = synthetic(ids_only, 50, Lengths(0, 0, (10, 300), (5, 9)), np.random.default_rng(1))
     lens = [i.input_tokens for i in spread]
     assert min(lens) >= 10 and max(lens) <= 300 and len(set(lens)) > 10
-    text = synthetic(tok, 5, 64, 8, np.random.default_rng(2))
+    text = synthetic(tok, 5, Lengths(64, 8), np.random.default_rng(2))
     assert all(i.prompt and abs(i.input_tokens - 64) <= 2 for i in text)
 
 

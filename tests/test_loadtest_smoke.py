@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from build_engine.builder import build
 from clients.loadtest.__main__ import main
+from tests.engines import build_tiny
 from tests.servers import running_server
 
 STATS = {"mean", "min", "max", "p50", "p90", "p95", "p99"}
@@ -22,9 +22,7 @@ RUN_KEYS = {
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "tiny-loadtest"
-    build("tiny-random", out, {"max_batch_size": 16, "max_num_tokens": 128, "max_seq_len": 512}, progress=False)
-    return out
+    return build_tiny(tmp_path_factory, "tiny-loadtest", max_batch_size=16, max_num_tokens=128, max_seq_len=512)
 
 
 def test_short_sweep_writes_the_results_contract(engine_dir: Path, tmp_path: Path) -> None:

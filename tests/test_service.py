@@ -16,9 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from build_engine.builder import build
 from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 from service.request import MAX_LOGPROBS
+from tests.engines import build_tiny
 from tests.servers import ServerThread, make_config, running_server
 
 VOCAB = 267
@@ -26,9 +26,7 @@ VOCAB = 267
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "tiny-service"
-    build("tiny-random", out, {"max_batch_size": 16, "max_num_tokens": 64, "max_seq_len": 1024}, progress=False)
-    return out
+    return build_tiny(tmp_path_factory, "tiny-service", max_batch_size=16, max_num_tokens=64, max_seq_len=1024)
 
 
 @pytest.fixture(scope="module")

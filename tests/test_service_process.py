@@ -17,8 +17,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from build_engine.builder import build
 from protos.llm.v1 import llm_pb2, llm_pb2_grpc
+from tests.engines import build_tiny
 from tests.servers import running_server
 
 
@@ -47,9 +47,7 @@ def _wait_serving(target: str, proc: subprocess.Popen, timeout: float = 60) -> N
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "tiny-proc"
-    build("tiny-random", out, {"max_batch_size": 8, "max_num_tokens": 64, "max_seq_len": 1024}, progress=False)
-    return out
+    return build_tiny(tmp_path_factory, "tiny-proc", max_batch_size=8, max_num_tokens=64, max_seq_len=1024)
 
 
 def test_sigterm_drains_streams_in_flight(engine_dir: Path) -> None:

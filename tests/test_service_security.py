@@ -8,8 +8,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from build_engine.builder import build
 from protos.llm.v1 import llm_pb2, llm_pb2_grpc
+from tests.engines import build_tiny
 from tests.servers import running_server
 
 
@@ -43,9 +43,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("engines") / "tiny-tls"
-    build("tiny-random", out, {"max_seq_len": 256}, progress=False)
-    return out
+    return build_tiny(tmp_path_factory, "tiny-tls", max_seq_len=256)
 
 
 def _call(channel: grpc.Channel) -> grpc.StatusCode:

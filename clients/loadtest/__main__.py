@@ -23,7 +23,7 @@ from clients.loadtest import report
 from clients.loadtest.backends import Backend, LLMBackend, Sampling, TritonBackend
 from clients.loadtest.driver import closed_loop, open_loop
 from clients.loadtest.metrics import SLO, RequestRecord, summarize
-from clients.loadtest.workload import TokenizerFns, load
+from clients.loadtest.workload import Lengths, TokenizerFns, load
 from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 
 
@@ -105,14 +105,13 @@ async def run_sweep(args: argparse.Namespace, console: Console) -> list[dict]:
     if args.request_rate:
         levels = [("request_rate", float(r)) for r in args.request_rate.split(",")]
     slo = SLO.parse(args.slo)
+    lengths = Lengths(args.input_len, args.output_len, args.input_len_range, args.output_len_range)
     backend = make_backend(args)
     runs = []
     try:
         for kind, level in levels:
             n = args.num_requests
-            items = load(
-                args.dataset, tok, n, args.input_len, args.output_len, rng, args.input_len_range, args.output_len_range
-            )
+            items = load(args.dataset, tok, n, lengths, rng)
             for item in items[: args.warmup]:
                 await backend.send(item, sampling, RequestRecord(input_tokens=item.input_tokens))
             with Progress(

@@ -30,28 +30,35 @@ class TokenizerFns:
     decode: Callable[[list[int]], str] | None  # None: prompts are sent as token ids
 
 
-def _lengths(rng: np.random.Generator, n: int, fixed: int, spread: tuple[int, int] | None) -> list[int]:
-    if spread is None:
-        return [fixed] * n
-    lo, hi = spread
-    return rng.integers(lo, hi + 1, size=n).tolist()
+@dataclass(frozen=True, slots=True)
+class Lengths:
+    """Prompt and output lengths in tokens: fixed, or drawn uniformly from [min, max] when a range is given."""
+
+    input_len: int = 128
+    output_len: int = 128
+    input_range: tuple[int, int] | None = None
+    output_range: tuple[int, int] | None = None
+
+    @staticmethod
+    def _draw(rng: np.random.Generator, n: int, fixed: int, spread: tuple[int, int] | None) -> list[int]:
+        return [fixed] * n if spread is None else rng.integers(spread[0], spread[1] + 1, size=n).tolist()
+
+    def inputs(self, rng: np.random.Generator, n: int) -> list[int]:
+        return self._draw(rng, n, self.input_len, self.input_range)
+
+    def outputs(self, rng: np.random.Generator, n: int) -> list[int]:
+        return self._draw(rng, n, self.output_len, self.output_range)
+
+    @property
+    def max_output(self) -> int:
+        return self.output_len if self.output_range is None else self.output_range[1]
 
 
-def synthetic(
-    tok: TokenizerFns,
-    n: int,
-    input_len: int,
-    output_len: int,
-    rng: np.random.Generator,
-    input_range: tuple[int, int] | None = None,
-    output_range: tuple[int, int] | None = None,
-) -> list[WorkItem]:
+def synthetic(tok: TokenizerFns, n: int, lengths: Lengths, rng: np.random.Generator) -> list[WorkItem]:
     """Windows of the bundled text at random offsets, each exactly the asked number of tokens long."""
     corpus = tok.encode(CORPUS.read_text())
     items = []
-    for in_len, out_len in zip(
-        _lengths(rng, n, input_len, input_range), _lengths(rng, n, output_len, output_range), strict=True
-    ):
+    for in_len, out_len in zip(lengths.inputs(rng, n), lengths.outputs(rng, n), strict=True):
         start = int(rng.integers(0, len(corpus)))
         ids = [corpus[(start + i) % len(corpus)] for i in range(in_len)]  # wraps around the text
         if tok.decode is None:
@@ -90,26 +97,18 @@ def from_sharegpt(path: Path, tok: TokenizerFns, max_input: int, max_output: int
 
 
 def load(
-    dataset: str,
-    tok: TokenizerFns,
-    n: int,
-    input_len: int,
-    output_len: int,
-    rng: np.random.Generator,
-    input_range: tuple[int, int] | None = None,
-    output_range: tuple[int, int] | None = None,
-    max_input: int = 4096,
+    dataset: str, tok: TokenizerFns, n: int, lengths: Lengths, rng: np.random.Generator, max_input: int = 4096
 ) -> list[WorkItem]:
     """n requests of the dataset (file datasets are sampled, with repetition when shorter than n)."""
     if dataset == "synthetic":
-        return synthetic(tok, n, input_len, output_len, rng, input_range, output_range)
+        return synthetic(tok, n, lengths, rng)
     path = Path(dataset)
     if not path.is_file():
         raise ValueError(f"dataset {dataset!r} is neither 'synthetic' nor a file")
     if path.suffix == ".jsonl":
-        pool = from_jsonl(path, tok, output_len)
+        pool = from_jsonl(path, tok, lengths.output_len)
     else:
-        pool = from_sharegpt(path, tok, max_input, output_len if output_range is None else output_range[1])
+        pool = from_sharegpt(path, tok, max_input, lengths.max_output)
     if not pool:
         raise ValueError(f"dataset {dataset} holds no usable prompt")
     return [pool[i] for i in rng.integers(0, len(pool), size=n)]
