@@ -97,7 +97,7 @@ class AsyncEngine:
         on_idle: Callable[[int, int, int], None] | None = None,
     ) -> None:
         self.core = core
-        self.config = config or AsyncEngineConfig(max_queue=core.sched_cfg.max_queue)
+        self.config = config or AsyncEngineConfig()
         self._on_step = on_step
         self._on_health_change = on_health_change
         self._on_idle = on_idle  # (KV blocks used, waiting, running) after aborts when no step follows

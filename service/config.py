@@ -17,15 +17,14 @@ class SchedulerConfig:
     block_size: int  # tokens per KV block
     num_kv_blocks: int  # blocks in the pool
     enable_prefix_caching: bool = True
-    max_queue: int = 256  # requests waiting to be scheduled; beyond it, new ones are rejected
     max_bypass: int = 8  # later requests admitted ahead of a waiting head before admission stops for it
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "block_size", "num_kv_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_queue < 0 or self.max_bypass < 0:
-            raise ValueError("max_queue and max_bypass must be >= 0")
+        if self.max_bypass < 0:
+            raise ValueError(f"max_bypass must be >= 0, got {self.max_bypass}")
 
     @classmethod
     def from_engine(cls, engine: EngineConfig, num_kv_blocks: int, **overrides: object) -> SchedulerConfig:

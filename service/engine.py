@@ -38,7 +38,6 @@ class EngineCore:
         num_kv_blocks: int | None = None,
         kv_cache_memory: str = DEFAULT_KV_CACHE_MEMORY,
         enable_prefix_caching: bool = True,
-        max_queue: int = 256,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         sampler_seed: int | None = None,
@@ -55,7 +54,6 @@ class EngineCore:
             self.config,
             num_kv_blocks,
             enable_prefix_caching=enable_prefix_caching,
-            max_queue=max_queue,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )

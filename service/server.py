@@ -181,7 +181,6 @@ class LLMServer:
             cfg.engine_dir,
             kv_cache_memory=cfg.kv_cache_memory,
             enable_prefix_caching=cfg.prefix_caching,
-            max_queue=cfg.max_queue,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_tokens,
         )
