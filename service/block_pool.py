@@ -65,10 +65,6 @@ class BlockPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_queue)
 
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """Take n free blocks (evicting their cached content); raises if fewer are free (callers check)."""
         if n > len(self.free_queue):

@@ -25,8 +25,6 @@ class KVCacheManager:
         self.block_size = block_size
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_hashes: dict[str, list[bytes]] = {}  # chained hashes of the request's full blocks
-        self.num_cached_queries = 0  # prompt tokens looked up in the prefix cache
-        self.num_cached_hits = 0  # of those, tokens found
 
     def _hashes(self, req: Request, num_tokens: int) -> list[bytes]:
         """Hashes of the full blocks among the request's first num_tokens tokens (computed once each)."""
@@ -51,8 +49,6 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.num_cached_queries += req.num_tokens
-        self.num_cached_hits += len(blocks) * self.block_size
         return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
@@ -103,6 +99,3 @@ class KVCacheManager:
                 self.pool.uncache(block)
         self.pool.free_blocks(reversed(blocks))
         self.req_hashes.pop(req.request_id, None)
-
-    def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)

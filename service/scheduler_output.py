@@ -27,10 +27,6 @@ class SchedulerOutput:
     newly_scheduled_req_ids: list[str] = field(default_factory=list)  # first time ever scheduled
     preempted_req_ids: list[str] = field(default_factory=list)  # preempted (by recompute) this step
 
-    @classmethod
-    def make_empty(cls) -> SchedulerOutput:
-        return cls()
-
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0

@@ -63,10 +63,6 @@ class LLMBackend:
         req.stopping.ignore_eos = sampling.ignore_eos
         return req
 
-    async def tokenize(self, text: str) -> list[int]:
-        resp = await self._stub.Tokenize(llm_pb2.TokenizeRequest(text=text), metadata=self._metadata)
-        return list(resp.token_ids)
-
     async def send(self, item: WorkItem, sampling: Sampling, rec: RequestRecord) -> None:
         call = self._stub.Generate(self.request(item, sampling), metadata=self._metadata)
         rec.send_time = time.perf_counter()

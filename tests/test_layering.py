@@ -1,0 +1,29 @@
+"""The layering rules of docs (ARCHITECTURE): the scheduler side imports no numpy and no grpc; the engine core
+imports no generated protobuf code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _loaded_after(module: str) -> set[str]:
+    code = f"import sys, {module}; print(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    return set(out.stdout.split())
+
+
+@pytest.mark.parametrize(
+    "module", ["service.scheduler", "service.kv_cache_manager", "service.block_pool", "service.request"]
+)
+def test_scheduling_side_is_pure_python(module: str) -> None:
+    loaded = _loaded_after(module)
+    assert not {m for m in loaded if m.split(".")[0] in ("numpy", "grpc", "protos")}
+
+
+@pytest.mark.parametrize("module", ["service.engine", "service.async_engine", "service.runners.numpy_runner"])
+def test_engine_does_not_import_protobuf_or_grpc(module: str) -> None:
+    loaded = _loaded_after(module)
+    assert not {m for m in loaded if m.split(".")[0] in ("grpc", "protos", "google")}
