@@ -73,13 +73,16 @@ class EngineCore:
     def validate(self, gen: GenerateRequest) -> None:
         """Raise InvalidRequest if the request can never run on this engine (checked before queueing)."""
         check_fits(self.sched_cfg, len(gen.prompt_token_ids), gen.sampling)
+        self._check_vocab(gen)
+
+    def _check_vocab(self, gen: GenerateRequest) -> None:
         vocab = self.config.arch.vocab_size
         bad = next((t for t in gen.prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, gen: GenerateRequest, arrival_time: float | None = None) -> Request:
-        self.validate(gen)
+        self._check_vocab(gen)  # the scheduler checks that it fits
         req = Request(
             gen.request_id,
             gen.prompt_token_ids,

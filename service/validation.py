@@ -170,9 +170,7 @@ def prompt_ids(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limit
             raise InvalidRequest(f"messages: {exc}") from None
     if not ids:
         raise InvalidRequest(f"{kind} is empty")
-    if len(ids) >= limits.max_seq_len:
-        raise InvalidRequest(f"{kind} has {len(ids)} tokens; max_seq_len is {limits.max_seq_len}")
-    return ids
+    return ids  # whether prompt + max_tokens fits is checked once, by the engine on admission
 
 
 def to_domain(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> GenerateRequest:
@@ -182,10 +180,4 @@ def to_domain(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits
         raise InvalidRequest("request_id must be 1 to 128 printable ASCII characters without spaces")
     sampling = _sampling(req)  # cheap checks first, before tokenizing
     ids = prompt_ids(req, tokenizer, limits)
-    total = len(ids) + sampling.max_tokens
-    if total > limits.max_seq_len:
-        raise InvalidRequest(
-            f"prompt ({len(ids)} tokens) + stopping.max_tokens ({sampling.max_tokens}) = {total} exceeds "
-            f"max_seq_len {limits.max_seq_len}"
-        )
     return GenerateRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling, priority=req.priority)
