@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -20,22 +21,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from service.engine import EngineCore
-from service.request import GenerateRequest, InvalidRequest, RequestOutput
+from service.errors import EngineError, EngineUnavailable, QueueFull
+from service.request import GenerateRequest, RequestOutput
 from service.stats import StepStats
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFull(Exception):
-    """The waiting queue is at its bound (maps to RESOURCE_EXHAUSTED)."""
-
-
-class EngineUnavailable(Exception):
-    """The engine is starting, draining, stopped or dead (maps to UNAVAILABLE)."""
-
-
-class EngineError(Exception):
-    """The engine failed while this request was in flight (maps to INTERNAL, with the request id)."""
 
 
 # fields of a RequestOutput that hold totals or state, not deltas: the newest value wins when merging
@@ -101,12 +91,14 @@ class AsyncEngine:
         self._on_step = on_step
         self._on_health_change = on_health_change
         self._on_idle = on_idle  # (KV blocks used, waiting, running) after aborts when no step follows
+        self._observers: tuple | None = None  # new (on_step, on_idle), applied by the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._queued: set[str] = set()  # accepted, not yet scheduled (the bounded queue)
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._adds: list[tuple[GenerateRequest, float]] = []
+        self._adds: list[tuple[str, GenerateRequest, float]] = []
+        self._ids = itertools.count()  # engine-side request ids: unique, never taken from the client
         self._aborts: set[str] = set()
         self._accepting = False
         self._stop = False
@@ -130,9 +122,14 @@ class AsyncEngine:
         on_step: Callable[[StepStats, list[RequestOutput]], None] | None = None,
         on_idle: Callable[[int, int, int], None] | None = None,
     ) -> None:
-        """Attach observers (metrics) of steps and of idle-time state changes."""
-        self._on_step = on_step
-        self._on_idle = on_idle
+        """Attach observers (metrics) of steps and of idle-time state changes.
+
+        Applied by the engine thread before its next step, so a step that ran before this call (the warm-up's
+        last one, whose outputs may already have been delivered) is never reported to the new observers.
+        """
+        with self._lock:
+            self._observers = (on_step, on_idle)
+        self._wake.set()
 
     @property
     def is_healthy(self) -> bool:
@@ -153,8 +150,7 @@ class AsyncEngine:
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Stop accepting, abort whatever is still in flight, stop the engine thread."""
         self._accepting = False
-        with self._lock:
-            self._aborts.update(self._collectors)
+        self.abort_all()
         self._stop = True
         self._wake.set()
         if self._thread is not None:
@@ -162,8 +158,12 @@ class AsyncEngine:
 
     # ---- requests --------------------------------------------------------------------------------
     async def generate(self, gen: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request. Raises InvalidRequest, QueueFull or EngineUnavailable at once."""
-        collector = self._admit(gen)
+        """Stream the outputs of one request. Raises InvalidRequest, QueueFull or EngineUnavailable at once.
+
+        The engine keys the request on an id of its own (RequestOutput.request_id); gen.request_id is the
+        client's, never used to route outputs or aborts, so two clients may send the same one.
+        """
+        req_id, collector = self._admit(gen)
         try:
             while True:
                 out = await collector.get()
@@ -173,35 +173,51 @@ class AsyncEngine:
                 if out.finished:
                     return
         except (asyncio.CancelledError, GeneratorExit):
-            self.abort(gen.request_id)
+            self.abort(req_id)
             raise
         finally:
-            self._collectors.pop(gen.request_id, None)
-            self._queued.discard(gen.request_id)
+            self._collectors.pop(req_id, None)
+            self._queued.discard(req_id)
 
-    def _admit(self, gen: GenerateRequest) -> RequestOutputCollector:
-        # NOTE: no await between these checks and the reservation below (RELIABILITY: atomic admission).
+    def check_capacity(self) -> None:
+        """Raise EngineUnavailable or QueueFull if a request would be refused now (cheap; admission re-checks)."""
+        self._check_alive()
+        self._check_queue()
+
+    def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineUnavailable(f"engine is not healthy: {self._dead}")
         if not self._accepting:
             raise EngineUnavailable("engine is not accepting requests (starting or draining)")
-        self.core.validate(gen)
-        if gen.request_id in self._collectors:
-            raise InvalidRequest(f"request_id {gen.request_id!r} is already in flight")
+
+    def _check_queue(self) -> None:
         if len(self._queued) >= self.config.max_queue:
             raise QueueFull(f"waiting queue is full ({self.config.max_queue} requests); retry later")
-        collector = RequestOutputCollector()
-        self._collectors[gen.request_id] = collector
-        self._queued.add(gen.request_id)
-        with self._lock:
-            self._adds.append((gen, self.core.clock()))
-        self._wake.set()
-        return collector
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request in any state; safe to call repeatedly or for unknown ids."""
+    def _admit(self, gen: GenerateRequest) -> tuple[str, RequestOutputCollector]:
+        # NOTE: no await between these checks and the reservation below (RELIABILITY: atomic admission).
+        self._check_alive()
+        self.core.check(gen)
+        self._check_queue()
+        req_id = str(next(self._ids))
+        collector = RequestOutputCollector()
+        self._collectors[req_id] = collector
+        self._queued.add(req_id)
         with self._lock:
-            self._aborts.add(request_id)
+            self._adds.append((req_id, gen, self.core.clock()))
+        self._wake.set()
+        return req_id, collector
+
+    def abort(self, req_id: str) -> None:
+        """Abort a request (by its engine id) in any state; safe to call repeatedly or for unknown ids."""
+        with self._lock:
+            self._aborts.add(req_id)
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (the drain timeout)."""
+        with self._lock:
+            self._aborts.update(self._collectors)
         self._wake.set()
 
     # ---- engine thread ---------------------------------------------------------------------------
@@ -239,16 +255,15 @@ class AsyncEngine:
         with self._lock:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, set()
+            if self._observers is not None:
+                (self._on_step, self._on_idle), self._observers = self._observers, None
         outputs: list[RequestOutput] = []
-        for gen, arrival in adds:
-            if gen.request_id in aborts:  # cancelled before the engine saw it
-                aborts.discard(gen.request_id)
-                outputs.append(RequestOutput(gen.request_id, [], finished=True, finish_reason="abort"))
+        for req_id, gen, arrival in adds:
+            if req_id in aborts:  # cancelled before the engine saw it
+                aborts.discard(req_id)
+                outputs.append(RequestOutput(req_id, [], finished=True, finish_reason="abort"))
                 continue
-            try:
-                self.core.add_request(gen, arrival_time=arrival)
-            except InvalidRequest as exc:  # validated on admission; only a race (e.g. duplicate id) gets here
-                outputs.append(RequestOutput(gen.request_id, [], finished=True, finish_reason="error", error=str(exc)))
+            self.core.enqueue(gen, req_id, arrival_time=arrival)
         if aborts:
             outputs += self.core.abort(list(aborts))
         return outputs

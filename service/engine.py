@@ -16,12 +16,13 @@ from build_engine.spec import EngineConfig, load_engine_config
 from service.block_pool import BlockPool
 from service.config import SchedulerConfig, kv_blocks_for_budget
 from service.kv_cache_manager import KVCacheManager
+from service.limits import RequestLimits, check_request
 from service.output_processor import OutputProcessor
-from service.request import GenerateRequest, InvalidRequest, Request, RequestOutput, RequestStatus
+from service.request import GenerateRequest, Request, RequestOutput, RequestStatus
 from service.runners.base import ForwardBatch
 from service.runners.numpy_runner import NumpyRunner
 from service.sampler import Sampler
-from service.scheduler import Scheduler, check_fits
+from service.scheduler import Scheduler
 from service.stats import StepCost, StepStats
 from service.tokenizer import Tokenizer
 
@@ -65,26 +66,26 @@ class EngineCore:
         self.cost = StepCost(self.config.arch)
         self.clock = clock
         self.eos_token_ids = frozenset(self.config.tokenizer.eos_token_ids)
+        sc = self.sched_cfg
+        self.limits = RequestLimits(self.config.arch.vocab_size, sc.max_seq_len, sc.block_size, sc.num_kv_blocks)
         self.last_step: StepStats | None = None
         self.last_newly_scheduled: list[str] = []  # requests the last step scheduled for the first time
         self._steps = itertools.count()
 
     # ---- requests --------------------------------------------------------------------------------
-    def validate(self, gen: GenerateRequest) -> None:
-        """Raise InvalidRequest if the request can never run on this engine (checked before queueing)."""
-        check_fits(self.sched_cfg, len(gen.prompt_token_ids), gen.sampling)
-        self._check_vocab(gen)
-
-    def _check_vocab(self, gen: GenerateRequest) -> None:
-        vocab = self.config.arch.vocab_size
-        bad = next((t for t in gen.prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+    def check(self, gen: GenerateRequest) -> None:
+        """Raise InvalidRequest if the request is malformed for this model or can never run (the one check)."""
+        check_request(gen.prompt_token_ids, gen.sampling, self.limits)
 
     def add_request(self, gen: GenerateRequest, arrival_time: float | None = None) -> Request:
-        self._check_vocab(gen)  # the scheduler checks that it fits
+        """Check and queue a request under its own id (offline use; AsyncEngine checks, then enqueues)."""
+        self.check(gen)
+        return self.enqueue(gen, gen.request_id, arrival_time)
+
+    def enqueue(self, gen: GenerateRequest, req_id: str, arrival_time: float | None = None) -> Request:
+        """Queue an already checked request under the engine-side id `req_id` (unique among live requests)."""
         req = Request(
-            gen.request_id,
+            req_id,
             gen.prompt_token_ids,
             gen.sampling,
             arrival_time=self.clock() if arrival_time is None else arrival_time,

@@ -1,36 +1,34 @@
-"""Exceptions -> gRPC status codes, in one place."""
+"""The exceptions a request can end with, grpc-free (service/status.py maps them to status codes, in one place).
+
+Raised by validation, admission and the backends; the API edge turns each into one gRPC status code.
+"""
 
 from __future__ import annotations
 
-import logging
 
-import grpc
+class InvalidRequest(ValueError):
+    """A request field is out of range; the message names the field and the limit (INVALID_ARGUMENT)."""
 
-from service.async_engine import EngineError, EngineUnavailable, QueueFull
-from service.request import InvalidRequest
 
-logger = logging.getLogger(__name__)
+class Overloaded(Exception):
+    """Too much work in flight: retry later with backoff (RESOURCE_EXHAUSTED)."""
+
+
+class QueueFull(Overloaded):
+    """The waiting queue is at its bound (RESOURCE_EXHAUSTED)."""
+
+
+class EngineUnavailable(Exception):
+    """The backend is starting, draining, stopped or dead (UNAVAILABLE)."""
+
+
+class EngineError(Exception):
+    """The engine failed while this request was in flight (INTERNAL; UNAVAILABLE if nothing was streamed)."""
 
 
 class DeadlineExceeded(Exception):
-    """The client's deadline had already passed when the request arrived."""
+    """The client's deadline had passed before the request could be queued (DEADLINE_EXCEEDED)."""
 
 
-def status_for(exc: BaseException, request_id: str | None, tokens_sent: int = 0) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a client sees for an exception (never the text of an unexpected one)."""
-    if isinstance(exc, InvalidRequest):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, QueueFull):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, EngineUnavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, DeadlineExceeded):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
-    if isinstance(exc, EngineError) and tokens_sent == 0:
-        # nothing was streamed yet: safe for the client to retry elsewhere
-        return (
-            grpc.StatusCode.UNAVAILABLE,
-            f"engine failed before this request produced output (request id {request_id})",
-        )
-    logger.error("request %s failed", request_id, exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})"
+class ServerShutdown(Exception):
+    """The drain timeout ended the request (UNAVAILABLE before any output, ABORTED after some)."""

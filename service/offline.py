@@ -15,7 +15,8 @@ from typing import Any
 
 from build_engine.spec import EngineFormatError
 from service.engine import DEFAULT_KV_CACHE_MEMORY, EngineCore
-from service.request import GenerateRequest, InvalidRequest, RequestOutput, SamplingParams
+from service.errors import InvalidRequest
+from service.request import GenerateRequest, RequestOutput, SamplingParams
 from service.tokenizer import ChatTemplateError, Tokenizer
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}

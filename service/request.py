@@ -6,16 +6,14 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from service.errors import InvalidRequest
+
 # Caps on list-valued and count-valued fields, checked before any work (RELIABILITY: bound inputs first).
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
-
-
-class InvalidRequest(ValueError):
-    """A request field is out of range; the message names the field and the limit."""
 
 
 class RequestStatus(enum.IntEnum):

@@ -17,27 +17,10 @@ from collections.abc import Callable, Iterable
 
 from service.config import SchedulerConfig
 from service.kv_cache_manager import KVCacheManager
-from service.request import InvalidRequest, Request, RequestStatus, SamplingParams
+from service.request import Request, RequestStatus
 from service.scheduler_output import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-def check_fits(cfg: SchedulerConfig, num_prompt_tokens: int, sampling: SamplingParams) -> None:
-    """Reject, at submission, a request that could never run (raises InvalidRequest naming the limit)."""
-    if num_prompt_tokens == 0:
-        raise InvalidRequest("the prompt is empty")
-    total = num_prompt_tokens + sampling.max_tokens
-    if total > cfg.max_seq_len:
-        raise InvalidRequest(
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds "
-            f"max_seq_len {cfg.max_seq_len}"
-        )
-    blocks = -(-total // cfg.block_size)
-    if blocks > cfg.num_kv_blocks:
-        raise InvalidRequest(
-            f"prompt + max_tokens needs {blocks} KV blocks, more than the whole KV cache ({cfg.num_kv_blocks} blocks)"
-        )
 
 
 class Scheduler:
@@ -54,10 +37,8 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        """Queue a request. Raises InvalidRequest if it can never fit or its id is in use."""
-        if req.request_id in self.requests:
-            raise InvalidRequest(f"request_id {req.request_id!r} is already in flight")
-        check_fits(self.cfg, req.num_prompt_tokens, req.sampling)
+        """Queue a request that was checked on admission (service.limits.check_request); ids are unique."""
+        assert req.request_id not in self.requests, f"request id {req.request_id} is already in use"
         self.requests[req.request_id] = req
         self._order[req.request_id] = (req.priority, req.arrival_time, next(self._counter))
         self._enqueue(req)

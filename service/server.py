@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 HEALTH_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
+CUT_GRACE_S = 2.0  # after the drain timeout, how long aborted streams get to send their final status
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +64,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Bearer-token auth on every method but health; tokens compared in constant time."""
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
+
+    def allows(self, authorization: str) -> bool:
+        scheme, _, token = authorization.strip().partition(" ")
+        # NOTE: the auth scheme is case-insensitive (RFC 7235 section 2.1); the token is compared in constant time
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._expected)
 
     async def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method in HEALTH_METHODS:
             return await continuation(handler_call_details)
         metadata = dict(handler_call_details.invocation_metadata or ())
-        given = str(metadata.get("authorization", "")).encode()
-        if hmac.compare_digest(given, self._expected):
+        if self.allows(str(metadata.get("authorization", ""))):
             return await continuation(handler_call_details)
 
         async def deny(request, context):
@@ -106,7 +111,7 @@ class LLMServer:
         self.metrics = ServiceMetrics()
         self.engine: AsyncEngine | None = None  # set once loaded and warmed up
         self.health = health.aio.HealthServicer()
-        self.servicer = LLMServicer(lambda: self.engine, self.metrics, cfg.log_prompts)
+        self.servicer = LLMServicer(lambda: self.engine, self.metrics, cfg.max_concurrent_rpcs, cfg.log_prompts)
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
         self.port = 0
@@ -122,8 +127,8 @@ class LLMServer:
         interceptors = [AuthInterceptor(_read_token(cfg.auth_token_file))] if cfg.auth_token_file else []
         server = grpc.aio.server(
             interceptors=interceptors,
-            maximum_concurrent_rpcs=cfg.max_concurrent_rpcs,
             options=[
+                ("grpc.so_reuseport", 0),  # gRPC's default would let a second server share the port
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
@@ -137,16 +142,14 @@ class LLMServer:
         # NOTE: the aio HealthServicer answers SERVING by default; say NOT_SERVING before anyone can ask.
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{cfg.host}:{cfg.port}"
-        self.port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        self._start_metrics()  # both ports are bound before anything says "listening"
+        self.port = self._bind(server, credentials)
         await server.start()
         self._server = server
         logger.info(
             "listening on %s:%d (%s); loading the engine", cfg.host, self.port, "TLS" if credentials else "plaintext"
         )
-        if cfg.metrics_port is not None:
-            self._metrics_http, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry)
-            self.metrics_port = self._metrics_http.server_port
+        if self.metrics_port is not None:
             logger.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
         engine = await asyncio.get_running_loop().run_in_executor(None, self._load_engine)
         engine.start()
@@ -155,6 +158,23 @@ class LLMServer:
         self.engine = engine
         await self._set_serving(engine.is_healthy)
         logger.info("ready: %s", SERVICE_NAME)
+
+    def _start_metrics(self) -> None:
+        cfg = self.cfg
+        if cfg.metrics_port is None:
+            return
+        try:
+            self._metrics_http, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry)
+        except OSError as exc:
+            raise OSError(f"metrics port {cfg.metrics_port} on {cfg.host} cannot be bound: {exc.strerror}") from None
+        self.metrics_port = self._metrics_http.server_port
+
+    def _bind(self, server: grpc.aio.Server, credentials: grpc.ServerCredentials | None) -> int:
+        address = f"{self.cfg.host}:{self.cfg.port}"
+        try:
+            return server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        except RuntimeError:  # grpc says only "Failed to bind"; with SO_REUSEPORT off, a busy port is the usual cause
+            raise OSError(f"gRPC port {self.cfg.port} on {self.cfg.host} cannot be bound (in use?)") from None
 
     def _add_services(self, server: grpc.aio.Server) -> None:
         s = self.servicer
@@ -231,12 +251,21 @@ class LLMServer:
         deadline = loop.time() + timeout
         while self.servicer.num_active and loop.time() < deadline:
             await asyncio.sleep(0.02)
+        if self.servicer.num_active:  # the drain timeout: end what still runs, with a status that says so
+            logger.warning("drain timeout: ending %d RPCs still in flight", self.servicer.num_active)
+            self.servicer.cut = True
+            if self.engine is not None:
+                self.engine.abort_all()
+            cut_deadline = loop.time() + CUT_GRACE_S
+            while self.servicer.num_active and loop.time() < cut_deadline:
+                await asyncio.sleep(0.01)
         if self._server is not None:
             await self._server.stop(0)
         if self.engine is not None:
             await self.engine.shutdown()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
+        self.servicer.close()
         logger.info("stopped")
 
     async def wait_for_termination(self) -> None:

@@ -7,21 +7,30 @@ naming the field, instead of grpc.aio's UNKNOWN carrying the parser's exception 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
 
 from build_engine import spec
 from protos.llm.v1 import llm_pb2
-from service.async_engine import AsyncEngine, EngineUnavailable
-from service.errors import DeadlineExceeded, status_for
+from service.async_engine import AsyncEngine
+from service.errors import DeadlineExceeded, EngineUnavailable, InvalidRequest, Overloaded, ServerShutdown
 from service.metrics import ServiceMetrics
-from service.request import InvalidRequest, RequestOutput
-from service.tokenizer import ChatTemplateError
-from service.validation import Limits, chat_messages, parse, to_domain
+from service.request import GenerateRequest, RequestOutput
+from service.status import status_for
+from service.tokenizer import ChatTemplateError, Tokenizer
+from service.validation import TextLimits, chat_messages, check_fields, parse, prompt_ids
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TOKENIZER_THREADS = 2
+DEADLINE_SLACK_S = 0.01  # a cancellation this close to the client's deadline is the deadline
 
 FINISH_REASONS = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_LENGTH}
 
@@ -67,13 +76,32 @@ class LLMServicer:
         self,
         engine_getter: Callable[[], AsyncEngine | None],
         metrics: ServiceMetrics,
+        max_active_rpcs: int = 1024,
         log_prompts: bool = False,
     ) -> None:
         self._engine = engine_getter  # None until the engine has loaded and warmed up
         self.metrics = metrics
+        self.max_active_rpcs = max_active_rpcs  # LLM RPCs in flight at most; health and reflection never count
         self.log_prompts = log_prompts
-        self.num_active = 0  # Generate RPCs in progress (the drain waits for them)
+        self.num_active = 0  # LLM RPCs in progress (the drain waits for them)
         self.draining = False  # set on shutdown: new RPCs get UNAVAILABLE
+        self.cut = False  # set at the drain timeout: streams still running end with ServerShutdown
+        # tokenization and chat rendering run here, never on the event loop (a huge prompt takes seconds)
+        self._pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @contextlib.contextmanager
+    def _slot(self) -> Iterator[None]:
+        # NOTE: gRPC core's maximum_concurrent_rpcs would also refuse health checks, so the limit lives here.
+        if self.num_active >= self.max_active_rpcs:
+            raise Overloaded(f"too many RPCs in flight (limit {self.max_active_rpcs}); retry later")
+        self.num_active += 1
+        try:
+            yield
+        finally:
+            self.num_active -= 1
 
     def _ready(self) -> AsyncEngine:
         if self.draining:
@@ -83,98 +111,123 @@ class LLMServicer:
             raise EngineUnavailable("the engine is still loading")
         return engine
 
+    async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _to_domain(self, req: llm_pb2.GenerateRequest, engine: AsyncEngine) -> GenerateRequest:
+        request_id, sampling = check_fields(req)  # cheap checks first
+        engine.check_capacity()  # do not tokenize what the queue would refuse anyway
+        core = engine.core
+        limits = TextLimits.for_model(core.tokenizer, core.sched_cfg.max_seq_len)
+        ids = await self._off_loop(prompt_ids, req, core.tokenizer, limits)
+        return GenerateRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling, priority=req.priority)
+
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateResponse]:
         request_id: str | None = None
         code = grpc.StatusCode.OK
         sent = 0
-        self.num_active += 1
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            engine = self._ready()
-            config = engine.core.config
-            req = parse(llm_pb2.GenerateRequest, raw)
-            limits = Limits(config.arch.vocab_size, engine.core.sched_cfg.max_seq_len)
-            gen = to_domain(req, engine.core.tokenizer, limits)
-            request_id = gen.request_id
-            remaining = context.time_remaining()
-            if remaining is not None and remaining <= 0:
-                raise DeadlineExceeded("the deadline had passed before the request was queued")
-            if self.log_prompts:
-                logger.info("request %s prompt ids %s", request_id, gen.prompt_token_ids)
-            async for out in engine.generate(gen):
-                if out.new_token_ids or out.new_text:
-                    sent += len(out.new_token_ids)
-                    yield _chunk(out)
-                if out.finished:
-                    yield _complete(request_id, out, sent)
-                    t = out.timing
-                    logger.info(
-                        "request %s: %d prompt (%d cached) + %d tokens, %s, ttft %.1f ms, tpot %.2f ms, e2e %.1f ms",
-                        request_id, out.num_prompt_tokens, out.num_cached_tokens, sent, out.finish_reason,
-                        t.ttft_ms, t.tpot_ms, t.e2e_ms,
-                    )  # fmt: skip
+            with self._slot():
+                engine = self._ready()
+                gen = await self._to_domain(parse(llm_pb2.GenerateRequest, raw), engine)
+                request_id = gen.request_id
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise DeadlineExceeded("the deadline had passed before the request was queued")
+                if self.log_prompts:
+                    logger.info("request %s prompt ids %s", request_id, gen.prompt_token_ids)
+                async for out in engine.generate(gen):
+                    if out.new_token_ids or out.new_text:
+                        sent += len(out.new_token_ids)
+                        yield _chunk(out)
+                    if out.finished:
+                        if out.finish_reason == "abort" and self.cut:
+                            raise ServerShutdown("the server shut down before the request finished")
+                        yield _complete(request_id, out, sent)
+                        _log_finished(request_id, out, sent)
         except (asyncio.CancelledError, GeneratorExit):  # client gone or deadline: grpc closes the generator
-            expired = context.time_remaining()
-            code = (
-                grpc.StatusCode.DEADLINE_EXCEEDED if expired is not None and expired <= 0 else grpc.StatusCode.CANCELLED
-            )
+            expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise  # the AsyncEngine already aborted the request; re-raise (swallowing leaks, grpc#43360)
         except Exception as exc:
             code, message = status_for(exc, request_id, sent)
             await context.abort(code, message)
         finally:
-            self.num_active -= 1
             self.metrics.rpc_finished(code.name)
 
     async def Tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.TokenizeResponse:
         try:
-            tokenizer = self._ready().core.tokenizer
-            req = parse(llm_pb2.TokenizeRequest, raw)
-            kind = req.WhichOneof("input")
-            if kind is None:
-                raise InvalidRequest("one of text or messages is required")
-            rendered = ""
-            if kind == "text":
-                ids = tokenizer.encode(req.text)
-            else:
-                add = not req.messages.HasField("add_generation_prompt") or req.messages.add_generation_prompt
-                try:
-                    rendered = tokenizer.apply_chat_template(chat_messages(req.messages), add)
-                except ChatTemplateError as exc:
-                    raise InvalidRequest(f"messages: {exc}") from None
-                ids = tokenizer.encode(rendered, add_special_tokens=False)
-            tokens = [tokenizer.id_to_token(i) or "" for i in ids]
-            return llm_pb2.TokenizeResponse(token_ids=ids, tokens=tokens, rendered=rendered)
+            with self._slot():
+                core = self._ready().core
+                req = parse(llm_pb2.TokenizeRequest, raw)
+                limits = TextLimits.for_model(core.tokenizer, core.sched_cfg.max_seq_len)
+                return await self._off_loop(tokenize, req, core.tokenizer, limits)
         except Exception as exc:
             code, message = status_for(exc, None)
             await context.abort(code, message)
 
     async def GetModelInfo(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.ModelInfo:
         try:
-            engine = self._ready()
-            parse(llm_pb2.GetModelInfoRequest, raw)
-            core = engine.core
-            cfg, arch, sched = core.config, core.config.arch, core.sched_cfg
-            return llm_pb2.ModelInfo(
-                model_name=cfg.model_name,
-                backend=cfg.backend,
-                architecture=arch.architecture,
-                vocab_size=arch.vocab_size,
-                max_seq_len=sched.max_seq_len,
-                max_batch_size=sched.max_num_seqs,
-                max_num_tokens=sched.max_num_batched_tokens,
-                kv_block_size=sched.block_size,
-                num_kv_blocks=sched.num_kv_blocks,
-                dtype=cfg.limits.dtype,
-                prefix_caching=sched.enable_prefix_caching,
-                eos_token_ids=list(cfg.tokenizer.eos_token_ids),
-                has_chat_template=core.tokenizer.chat_template is not None,
-                max_queue=engine.config.max_queue,
-                num_layers=arch.num_hidden_layers,
-                hidden_size=arch.hidden_size,
-                num_attention_heads=arch.num_attention_heads,
-                num_key_value_heads=arch.num_key_value_heads,
-                engine_format_version=spec.FORMAT_VERSION,
-            )
+            with self._slot():
+                engine = self._ready()
+                parse(llm_pb2.GetModelInfoRequest, raw)
+                return model_info(engine)
         except Exception as exc:
             code, message = status_for(exc, None)
             await context.abort(code, message)
+
+
+def _log_finished(request_id: str, out: RequestOutput, sent: int) -> None:
+    t = out.timing
+    logger.info(
+        "request %s: %d prompt (%d cached) + %d tokens, %s, ttft %.1f ms, tpot %.2f ms, e2e %.1f ms",
+        request_id, out.num_prompt_tokens, out.num_cached_tokens, sent, out.finish_reason,
+        t.ttft_ms, t.tpot_ms, t.e2e_ms,
+    )  # fmt: skip
+
+
+def tokenize(req: llm_pb2.TokenizeRequest, tokenizer: Tokenizer, limits: TextLimits) -> llm_pb2.TokenizeResponse:
+    """The Tokenize RPC's work (slow for big inputs: runs off the event loop)."""
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequest("one of text or messages is required")
+    rendered = ""
+    if kind == "text":
+        limits.check(len(req.text.encode()), "text")
+        ids = tokenizer.encode(req.text)
+    else:
+        add = not req.messages.HasField("add_generation_prompt") or req.messages.add_generation_prompt
+        try:
+            rendered = tokenizer.apply_chat_template(chat_messages(req.messages, limits), add)
+        except ChatTemplateError as exc:
+            raise InvalidRequest(f"messages: {exc}") from None
+        ids = tokenizer.encode(rendered, add_special_tokens=False)
+    tokens = [tokenizer.id_to_token(i) or "" for i in ids]
+    return llm_pb2.TokenizeResponse(token_ids=ids, tokens=tokens, rendered=rendered)
+
+
+def model_info(engine: AsyncEngine) -> llm_pb2.ModelInfo:
+    core = engine.core
+    cfg, arch, sched = core.config, core.config.arch, core.sched_cfg
+    return llm_pb2.ModelInfo(
+        model_name=cfg.model_name,
+        backend=cfg.backend,
+        architecture=arch.architecture,
+        vocab_size=arch.vocab_size,
+        max_seq_len=sched.max_seq_len,
+        max_batch_size=sched.max_num_seqs,
+        max_num_tokens=sched.max_num_batched_tokens,
+        kv_block_size=sched.block_size,
+        num_kv_blocks=sched.num_kv_blocks,
+        dtype=cfg.limits.dtype,
+        prefix_caching=sched.enable_prefix_caching,
+        eos_token_ids=list(cfg.tokenizer.eos_token_ids),
+        has_chat_template=core.tokenizer.chat_template is not None,
+        max_queue=engine.config.max_queue,
+        num_layers=arch.num_hidden_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        engine_format_version=spec.FORMAT_VERSION,
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -64,6 +65,16 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest token's text (an upper bound: a partial UTF-8 byte counts as U+FFFD's 3).
+
+        Text longer than max_seq_len x this many bytes can never tokenize into max_seq_len tokens, so the
+        service refuses it by its size before tokenizing (assuming no byte is dropped by normalization).
+        """
+        texts = self._tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
+        return max(1, *(len(t.encode()) for t in texts))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of raw text; add_special_tokens applies the tokenizer's post-processor (e.g. a BOS)."""

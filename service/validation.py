@@ -14,7 +14,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from protos.llm.v1 import llm_pb2
-from service.request import GenerateRequest, InvalidRequest, SamplingParams
+from service.errors import InvalidRequest
+from service.request import SamplingParams
 from service.tokenizer import ChatTemplateError, Tokenizer
 
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
@@ -22,11 +23,21 @@ MAX_CHAT_MESSAGES = 1024
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
-    """What the servicer checks requests against (from the engine)."""
+class TextLimits:
+    """Bounds on text fields, checked before any tokenization (RELIABILITY: bound inputs before work)."""
 
-    vocab_size: int
-    max_seq_len: int
+    max_text_bytes: int  # a prompt (or the messages' total) larger than this can never fit max_seq_len
+
+    @classmethod
+    def for_model(cls, tokenizer: Tokenizer, max_seq_len: int) -> TextLimits:
+        return cls(max_text_bytes=max_seq_len * tokenizer.max_token_bytes)
+
+    def check(self, num_bytes: int, field: str) -> None:
+        if num_bytes > self.max_text_bytes:
+            raise InvalidRequest(
+                f"{field} is {num_bytes} bytes: more than any prompt that fits max_seq_len can be "
+                f"({self.max_text_bytes} bytes)"
+            )
 
 
 def parse(message_type: type[Message], raw: bytes) -> Message:
@@ -137,47 +148,39 @@ def _proto_path(message: str) -> str:
     return "sampling." + message
 
 
-def _check_token_ids(ids: list[int], limits: Limits, field: str) -> None:
-    bad = next((t for t in ids if t >= limits.vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"{field} contains token id {bad}, outside the vocabulary [0, {limits.vocab_size})")
-
-
-def chat_messages(msgs: llm_pb2.ChatMessages) -> list[dict[str, str]]:
+def chat_messages(msgs: llm_pb2.ChatMessages, limits: TextLimits) -> list[dict[str, str]]:
     if not msgs.messages:
         raise InvalidRequest("messages.messages must hold at least one message")
     if len(msgs.messages) > MAX_CHAT_MESSAGES:
         raise InvalidRequest(f"messages.messages allows at most {MAX_CHAT_MESSAGES} messages")
+    limits.check(sum(len(m.role.encode()) + len(m.content.encode()) for m in msgs.messages), "messages")
     return [{"role": m.role, "content": m.content} for m in msgs.messages]
 
 
-def prompt_ids(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> list[int]:
+def prompt_ids(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, limits: TextLimits) -> list[int]:
+    """Tokenize the request's input (slow for big inputs: callers run it off the event loop)."""
     kind = req.WhichOneof("input")
     if kind is None:
         raise InvalidRequest("one of prompt, prompt_token_ids or messages is required")
     if kind == "prompt_token_ids":
-        ids = list(req.prompt_token_ids.ids)
-        _check_token_ids(ids, limits, "prompt_token_ids.ids")
+        ids = list(req.prompt_token_ids.ids)  # checked against the vocabulary once, by the backend on admission
     elif kind == "prompt":
-        if len(req.prompt) > limits.max_seq_len * 32:  # far beyond any prompt that fits: do not tokenize it
-            raise InvalidRequest(f"prompt of {len(req.prompt)} characters cannot fit max_seq_len {limits.max_seq_len}")
+        limits.check(len(req.prompt.encode()), "prompt")
         ids = tokenizer.encode(req.prompt)
     else:
         try:
             add = not req.messages.HasField("add_generation_prompt") or req.messages.add_generation_prompt
-            ids = tokenizer.encode_chat(chat_messages(req.messages), add_generation_prompt=add)
+            ids = tokenizer.encode_chat(chat_messages(req.messages, limits), add_generation_prompt=add)
         except ChatTemplateError as exc:
             raise InvalidRequest(f"messages: {exc}") from None
     if not ids:
         raise InvalidRequest(f"{kind} is empty")
-    return ids  # whether prompt + max_tokens fits is checked once, by the engine on admission
+    return ids  # whether prompt + max_tokens fits is checked once, by the backend on admission
 
 
-def to_domain(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, limits: Limits) -> GenerateRequest:
-    """Check and convert a Generate request (raises InvalidRequest naming the field)."""
+def check_fields(req: llm_pb2.GenerateRequest) -> tuple[str, SamplingParams]:
+    """The cheap checks (request id, sampling and stopping fields), before tokenizing."""
     request_id = req.request_id or uuid.uuid4().hex
     if not REQUEST_ID.fullmatch(request_id):
         raise InvalidRequest("request_id must be 1 to 128 printable ASCII characters without spaces")
-    sampling = _sampling(req)  # cheap checks first, before tokenizing
-    ids = prompt_ids(req, tokenizer, limits)
-    return GenerateRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling, priority=req.priority)
+    return request_id, _sampling(req)

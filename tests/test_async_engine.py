@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from service.async_engine import AsyncEngine, AsyncEngineConfig, EngineError, EngineUnavailable, QueueFull
+from service.async_engine import AsyncEngine, AsyncEngineConfig
 from service.engine import EngineCore
-from service.request import GenerateRequest, InvalidRequest, SamplingParams
+from service.errors import EngineError, EngineUnavailable, InvalidRequest, QueueFull
+from service.request import GenerateRequest, SamplingParams
 from tests.engines import build_tiny
 
 
@@ -94,21 +95,23 @@ def test_queue_bound_rejects_the_overflow(engine_dir: Path) -> None:
     asyncio.run(main())
 
 
-def test_validation_and_duplicate_ids(engine_dir: Path) -> None:
+def test_validation_and_client_ids_are_not_engine_ids(engine_dir: Path) -> None:
     async def main() -> None:
         engine = await _started(engine_dir)
         with pytest.raises(InvalidRequest, match="max_seq_len"):
             await _collect(engine, _gen("big", 600))
+        with pytest.raises(InvalidRequest, match=r"stopping\.stop_token_ids contains token id 999"):
+            bad = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=(999,))
+            await _collect(engine, GenerateRequest("oov", [5, 6], bad))
         first = engine.generate(_gen("dup", 50))
-        await first.__anext__()
-        with pytest.raises(InvalidRequest, match="already in flight"):
-            await _collect(engine, _gen("dup", 5))
-        await first.aclose()
-        engine.abort("dup")
+        head = await first.__anext__()
+        second = await _collect(engine, _gen("dup", 5, prompt=[9, 8, 7]))  # same client id, its own request
+        assert sum(len(o.new_token_ids) for o in second) == 5 and second[-1].request_id != head.request_id
+        engine.abort("dup")  # client ids mean nothing to the engine: no-op
         engine.abort("never-existed")  # idempotent, unknown ids ignored
+        rest = [o async for o in first]
+        assert sum(len(o.new_token_ids) for o in [head, *rest]) == 50
         await engine.shutdown()
-
-    asyncio.run(main())
 
 
 def test_slow_consumer_does_not_slow_the_others(engine_dir: Path) -> None:

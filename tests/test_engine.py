@@ -151,7 +151,7 @@ def test_step_stats_count_work(engine_dir: Path) -> None:
 
 
 def test_invalid_requests_are_rejected_before_queueing(engine_dir: Path) -> None:
-    from service.request import InvalidRequest
+    from service.errors import InvalidRequest
 
     engine = EngineCore(engine_dir, num_kv_blocks=64)
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):

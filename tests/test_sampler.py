@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.request import InvalidRequest, Request, SamplingParams
+from service.errors import InvalidRequest
+from service.request import Request, SamplingParams
 from service.sampler import Sampler, sample_row, token_logprob
 
 V = 50

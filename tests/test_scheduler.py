@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from service.request import InvalidRequest, RequestStatus
+from service.errors import InvalidRequest
+from service.limits import RequestLimits, check_request
+from service.request import RequestStatus, SamplingParams
 from tests.factories import make_request, make_scheduler, run_step
 
 
@@ -103,14 +105,20 @@ def test_bounded_bypass_then_head_of_line_waits() -> None:
 
 
 def test_requests_that_can_never_fit_are_rejected_on_submission() -> None:
-    s = make_scheduler(num_blocks=4, max_seq_len=64)
+    limits = RequestLimits(vocab_size=10**6, max_seq_len=64, kv_block_size=4, num_kv_blocks=4)
+
+    def check(req) -> None:
+        check_request(req.prompt_token_ids, req.sampling, limits)
+
     with pytest.raises(InvalidRequest, match="exceeds max_seq_len 64"):
-        s.add_request(make_request("long", 60, max_tokens=8))
+        check(make_request("long", 60, max_tokens=8))
     with pytest.raises(InvalidRequest, match="more than the whole KV cache"):
-        s.add_request(make_request("wide", 20, max_tokens=8))  # 7 blocks > 4
+        check(make_request("wide", 20, max_tokens=8))  # 7 blocks > 4
     with pytest.raises(InvalidRequest, match="prompt is empty"):
-        s.add_request(make_request("empty", []))
-    assert not s.requests
+        check(make_request("empty", []))
+    with pytest.raises(InvalidRequest, match=r"stopping\.stop_token_ids contains token id 10"):
+        check_request([1, 2], SamplingParams(stop_token_ids=(3, 10)), RequestLimits(vocab_size=10, max_seq_len=64))
+    check(make_request("fits", 8, max_tokens=8))  # 4 blocks: exactly the pool
 
 
 def test_abort_in_every_state_frees_everything() -> None:

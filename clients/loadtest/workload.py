@@ -56,7 +56,8 @@ class Lengths:
 
 def synthetic(tok: TokenizerFns, n: int, lengths: Lengths, rng: np.random.Generator) -> list[WorkItem]:
     """Windows of the bundled text at random offsets, each exactly the asked number of tokens long."""
-    corpus = tok.encode(CORPUS.read_text())
+    # paragraph by paragraph: a server's Tokenize refuses text longer than any prompt could be
+    corpus = [t for para in CORPUS.read_text().split("\n\n") for t in tok.encode(para + "\n\n")]
     items = []
     for in_len, out_len in zip(lengths.inputs(rng, n), lengths.outputs(rng, n), strict=True):
         start = int(rng.integers(0, len(corpus)))

@@ -1,0 +1,43 @@
+"""Exceptions -> gRPC status codes, in one place (docs/api.md, "Status codes")."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from service.errors import (
+    DeadlineExceeded,
+    EngineError,
+    EngineUnavailable,
+    InvalidRequest,
+    Overloaded,
+    ServerShutdown,
+)
+
+logger = logging.getLogger(__name__)
+
+_CODES = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+def status_for(exc: BaseException, request_id: str | None, tokens_sent: int = 0) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a client sees for an exception (never the text of an unexpected one)."""
+    for kind, code in _CODES.items():
+        if isinstance(exc, kind):
+            return code, str(exc)
+    if isinstance(exc, ServerShutdown):
+        if tokens_sent == 0:  # nothing was streamed: safe to retry on another replica
+            return grpc.StatusCode.UNAVAILABLE, f"{exc} (request id {request_id})"
+        return grpc.StatusCode.ABORTED, f"{exc} after {tokens_sent} tokens (request id {request_id})"
+    if isinstance(exc, EngineError) and tokens_sent == 0:
+        return (
+            grpc.StatusCode.UNAVAILABLE,
+            f"engine failed before this request produced output (request id {request_id})",
+        )
+    logger.error("request %s failed", request_id, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})"

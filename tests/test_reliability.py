@@ -1,0 +1,202 @@
+"""Regression tests for the reliability defects (each over a real socket on 127.0.0.1).
+
+1. An out-of-vocabulary stop token id used to kill the engine for good.
+2. A reused client request_id used to receive another request's output.
+3. Tokenization and chat rendering used to block the event loop (health included).
+4. Health used to count against --max-concurrent-rpcs.
+5. A second server used to start on a busy port (SO_REUSEPORT).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.llm.v1 import llm_pb2
+from tests.engines import build_tiny
+from tests.servers import ServerThread, make_config, running_server
+
+VOCAB = 267
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny(tmp_path_factory, "tiny-reliability", max_batch_size=16, max_num_tokens=64, max_seq_len=1024)
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir: Path):
+    with running_server(engine_dir) as s:
+        yield s
+
+
+def _req(prompt: str = "Hello there", max_tokens: int = 16, **kw) -> llm_pb2.GenerateRequest:
+    return llm_pb2.GenerateRequest(
+        prompt=prompt,
+        sampling=llm_pb2.SamplingParams(temperature=0),
+        stopping=llm_pb2.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
+        **kw,
+    )
+
+
+def _tokens(stub, req, **kw) -> tuple[list[int], llm_pb2.Complete]:
+    ids, complete = [], None
+    for resp in stub.Generate(req, **kw):
+        if resp.HasField("chunk"):
+            ids += resp.chunk.token_ids
+        else:
+            complete = resp.complete
+    return ids, complete
+
+
+def _health(server: ServerThread, timeout: float = 2.0) -> int:
+    stub = health_pb2_grpc.HealthStub(server.channel())
+    return stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+
+
+def _wait_idle(server: ServerThread, within: float = 3.0) -> None:
+    deadline = time.monotonic() + within
+    engine = server.server.engine
+    while time.monotonic() < deadline:
+        core = engine.core
+        if not core.scheduler.requests and core.kv.pool.num_used_blocks == 0 and engine.num_in_flight == 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError("requests or KV blocks left behind")
+
+
+# ---- 1. token ids are checked against the vocabulary; the engine survives ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "build"),
+    [
+        ("stopping.stop_token_ids", lambda r: (r.stopping.stop_token_ids.append(VOCAB + 5), None)[1]),
+        ("prompt_token_ids.ids", lambda r: r.prompt_token_ids.ids.extend([3, VOCAB])),
+    ],
+)
+def test_out_of_vocabulary_token_ids_are_refused(server: ServerThread, field: str, build) -> None:
+    req = _req(max_tokens=8)
+    req.stopping.min_tokens = 4  # the sampler used to index the logits with the stop ids while min_tokens held
+    build(req)
+    with pytest.raises(grpc.RpcError) as err:
+        list(server.stub().Generate(req))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details() and str(VOCAB) in err.value.details()
+    ids, complete = _tokens(server.stub(), _req(max_tokens=8))  # the engine is still alive and serving
+    assert len(ids) == 8 and complete.finish_reason == llm_pb2.FINISH_REASON_LENGTH
+    assert _health(server) == SERVING
+    _wait_idle(server)
+
+
+# ---- 2. a client's request_id is only echoed ---------------------------------------------------------------------
+
+
+def test_reused_request_id_gets_its_own_output(server: ServerThread) -> None:
+    stub = server.stub()
+    expected, _ = _tokens(stub, _req(prompt="the second request", max_tokens=12))
+    for round_ in range(30):
+        a = stub.Generate(_req(prompt="the first request", max_tokens=600, request_id="shared-id"))
+        next(a)  # A is decoding
+        a.cancel()
+        ids, complete = _tokens(stub, _req(prompt="the second request", max_tokens=12, request_id="shared-id"))
+        assert ids == expected, f"round {round_}: B received someone else's tokens"
+        assert complete.request_id == "shared-id" and complete.usage.completion_tokens == 12
+    _wait_idle(server)  # every A was aborted: nothing keeps running to its max_tokens
+
+
+def test_same_request_id_twice_at_once(server: ServerThread) -> None:
+    stub = server.stub()
+    prompts = [f"concurrent prompt {i}" for i in range(6)]
+    expected = [_tokens(stub, _req(prompt=p, max_tokens=10))[0] for p in prompts]
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda p: _tokens(stub, _req(prompt=p, max_tokens=10, request_id="dup"))[0], prompts))
+    assert got == expected
+    _wait_idle(server)
+
+
+# ---- 3. tokenization is bounded and runs off the event loop ------------------------------------------------------
+
+
+def test_oversized_chat_is_refused_by_size_before_tokenizing(server: ServerThread) -> None:
+    big = "x" * 3584
+    messages = llm_pb2.ChatMessages(messages=[llm_pb2.ChatMessage(role="user", content=big)] * 1024)
+    start = time.perf_counter()
+    with pytest.raises(grpc.RpcError) as err:
+        list(server.stub().Generate(llm_pb2.GenerateRequest(messages=messages)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "messages" in err.value.details()
+    assert time.perf_counter() - start < 0.5
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub().Tokenize(llm_pb2.TokenizeRequest(text="y" * 3_000_000))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in err.value.details()
+
+
+def test_slow_tokenization_does_not_block_health(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = server.server.engine.core.tokenizer
+    real = tokenizer.encode
+
+    def slow_encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        time.sleep(1.5)  # holds the calling thread, as a huge prompt would
+        return real(text, add_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    stub = server.stub()
+    done = threading.Event()
+    threading.Thread(target=lambda: (_tokens(stub, _req(max_tokens=2)), done.set()), daemon=True).start()
+    time.sleep(0.3)  # the Generate is tokenizing now
+    start = time.perf_counter()
+    assert _health(server) == SERVING
+    assert time.perf_counter() - start < 0.3, "health waited for the tokenizer"
+    assert not done.is_set()
+    assert done.wait(10)
+
+
+# ---- 4. the RPC limit applies to LLM calls only ------------------------------------------------------------------
+
+
+def test_health_answers_when_the_rpc_limit_is_taken(engine_dir: Path) -> None:
+    with running_server(engine_dir, max_concurrent_rpcs=2) as srv:
+        stub = srv.stub()
+        streams = [stub.Generate(_req(prompt=f"long {i}", max_tokens=900)) for i in range(2)]
+        for s in streams:
+            next(s)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(_req(max_tokens=2)))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Tokenize(llm_pb2.TokenizeRequest(text="x"))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for _ in range(5):
+            assert _health(srv) == SERVING
+        for s in streams:
+            s.cancel()
+        _wait_idle(srv)
+        assert len(_tokens(stub, _req(max_tokens=3))[0]) == 3  # the slots came back
+
+
+# ---- 5. one port, one server ---------------------------------------------------------------------------------------
+
+
+def test_a_busy_port_is_refused(engine_dir: Path) -> None:
+    with running_server(engine_dir) as first:
+        second = ServerThread(make_config(engine_dir, port=first.server.port))
+        with pytest.raises(OSError, match=f"port {first.server.port}"):
+            second.start()
+        second.stop()
+        with socket.socket() as s:  # a busy metrics port is reported before the gRPC port is bound
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            busy = s.getsockname()[1]
+            third = ServerThread(make_config(engine_dir, metrics_port=busy))
+            with pytest.raises(OSError, match=f"metrics port {busy}"):
+                third.start()
+            third.stop()
+        assert _health(first) == SERVING
