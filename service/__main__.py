@@ -62,6 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--no-prefix-caching", "do not share KV blocks of common prompt prefixes", action="store_true")
     add("--drain-timeout", "seconds streams in flight may take to finish after SIGTERM", type=float, default=30.0)
     add("--stall-timeout", "a step running longer than this marks the service unhealthy", type=float, default=60.0)
+    add(
+        "--on-engine-error",
+        "after an engine failure (in-flight requests fail either way): exit non-zero so a supervisor restarts "
+        "the process, or recover: rebuild the engine's state and serve again; a stalled step is fatal with exit",
+        choices=["exit", "recover"],
+        default="exit",
+    )
     add("--tls-cert", "server certificate (PEM); enables TLS", default=None)
     add("--tls-key", "server private key (PEM)", default=None)
     add("--tls-client-ca", "CA (PEM) that client certificates must chain to; enables mutual TLS", default=None)
@@ -96,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefix_caching=not args.no_prefix_caching,
         drain_timeout_s=args.drain_timeout,
         stall_timeout_s=args.stall_timeout,
+        on_engine_error=args.on_engine_error,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
@@ -110,25 +118,43 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-async def serve(cfg: ServerConfig) -> None:
+FATAL_DRAIN_S = 2.0  # after an engine failure, how long the failed streams get to send their statuses
+EXIT_ENGINE_FAILED = 3  # the engine died (on_engine_error=exit): a supervisor should restart the process
+
+
+async def serve(cfg: ServerConfig) -> int:
+    """Run until SIGTERM/SIGINT (drain, exit 0) or an engine failure (exit EXIT_ENGINE_FAILED)."""
     server = LLMServer(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            logger.warning("second signal: stopping now")
+            server.force_stop()
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     startup = asyncio.create_task(server.start())
-    stopper = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({startup, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    if startup in done:
-        if startup.exception() is not None:
-            stopper.cancel()
-            await server.drain_and_stop(0)
-            raise startup.exception()
-        await stopper
-    else:
+    waits = {startup, asyncio.create_task(stop.wait()), asyncio.create_task(server.fatal_event.wait())}
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    if startup.done() and startup.exception() is not None:
+        await server.drain_and_stop(0)
+        raise startup.exception()
+    if not startup.done():
         startup.cancel()
+    if not stop.is_set() and not server.fatal:  # started: now wait for a signal or an engine failure
+        await asyncio.wait(
+            {asyncio.create_task(stop.wait()), asyncio.create_task(server.fatal_event.wait())},
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+    if server.fatal:
+        await server.drain_and_stop(FATAL_DRAIN_S)  # the failed requests' statuses go out, nothing else runs
+        return EXIT_ENGINE_FAILED
     logger.info("signal received: draining for up to %.0f s", cfg.drain_timeout_s)
     await server.drain_and_stop()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,11 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
-        asyncio.run(serve(cfg))
+        return asyncio.run(serve(cfg))
     except (OSError, ValueError) as exc:
         logger.error("cannot start: %s", exc)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

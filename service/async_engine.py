@@ -74,6 +74,10 @@ class RequestOutputCollector:
 class AsyncEngineConfig:
     max_queue: int = 256  # requests accepted but not yet scheduled
     stall_timeout_s: float = 60.0  # a step running longer than this marks the engine unhealthy
+    # after a failed step (every request in flight has failed): "exit" marks the engine dead and calls on_fatal
+    # (the server exits non-zero so a supervisor restarts it; a stalled step is fatal too); "recover" rebuilds
+    # the KV pool, scheduler and output state and serves again
+    on_failure: str = "exit"
     idle_wait_s: float = 0.05  # how long the idle loop sleeps between checks
 
 
@@ -85,11 +89,13 @@ class AsyncEngine:
         on_step: Callable[[StepStats, list[RequestOutput]], None] | None = None,
         on_health_change: Callable[[bool], None] | None = None,
         on_idle: Callable[[int, int, int], None] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         self.core = core
         self.config = config or AsyncEngineConfig()
         self._on_step = on_step
         self._on_health_change = on_health_change
+        self._on_fatal = on_fatal  # called in the event loop once the engine cannot serve any more
         self._on_idle = on_idle  # (KV blocks used, waiting, running) after aborts when no step follows
         self._observers: tuple | None = None  # new (on_step, on_idle), applied by the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -230,26 +236,43 @@ class AsyncEngine:
                 break
             if not core.has_unfinished_requests():
                 self._deliver(outputs, [])
-                if outputs and self._on_idle is not None:
-                    sched = core.scheduler
-                    self._on_idle(core.kv.pool.num_used_blocks, sched.num_waiting, sched.num_running)
+                if outputs:
+                    self._report_idle()
                 self._wake.wait(self.config.idle_wait_s)
                 self._wake.clear()
                 continue
             self._step_started = time.monotonic()
+            failed = False
             try:
                 outputs += core.step()
-            except Exception as exc:  # fail every request cleanly, keep the process alive, report unhealthy
+            except Exception as exc:  # every request in flight fails cleanly; then the failure policy applies
                 logger.exception("engine step failed; failing all in-flight requests")
-                self._dead = f"{type(exc).__name__} in engine step"
-                self._accepting = False
                 outputs += core.fail_all("internal engine error")
-                self._notify_health()
+                failed = True
+                self._after_failure(f"{type(exc).__name__} in engine step")
             finally:
                 self._step_started = None
             self._deliver(outputs, core.last_newly_scheduled)
-            if self._on_step is not None and core.last_step is not None and self._dead is None:
+            if failed:
+                self._report_idle()
+            elif self._on_step is not None and core.last_step is not None:
                 self._on_step(core.last_step, outputs)
+
+    def _after_failure(self, reason: str) -> None:
+        """The failure policy (AsyncEngineConfig.on_failure), in the engine thread, after fail_all."""
+        if self.config.on_failure == "recover":
+            self.core.reset()
+            logger.warning("engine state rebuilt after %s; serving again", reason)
+            return
+        self._dead = reason
+        self._accepting = False
+        self._notify_health()
+        self._notify_fatal(reason)
+
+    def _report_idle(self) -> None:
+        if self._on_idle is not None:
+            sched = self.core.scheduler
+            self._on_idle(self.core.kv.pool.num_used_blocks, sched.num_waiting, sched.num_running)
 
     def _apply_commands(self) -> list[RequestOutput]:
         with self._lock:
@@ -263,7 +286,11 @@ class AsyncEngine:
                 aborts.discard(req_id)
                 outputs.append(RequestOutput(req_id, [], finished=True, finish_reason="abort"))
                 continue
-            self.core.enqueue(gen, req_id, arrival_time=arrival)
+            try:
+                self.core.enqueue(gen, req_id, arrival_time=arrival)
+            except Exception:  # checked on admission, so a bug: fail this request alone, loudly
+                logger.exception("cannot queue request %s", req_id)
+                outputs.append(RequestOutput(req_id, [], finished=True, finish_reason="error", error="enqueue failed"))
         if aborts:
             outputs += self.core.abort(list(aborts))
         return outputs
@@ -295,13 +322,31 @@ class AsyncEngine:
                 if stalled:
                     logger.error("engine step has been running for over %.0f s", self.config.stall_timeout_s)
                 self._notify_health()
+                if stalled and self.config.on_failure == "exit":
+                    self._dead = "engine step stalled"
+                    self._accepting = False
+                    self._call_in_loop(self._fail_collectors, "engine step stalled")
+                    self._notify_fatal("engine step stalled")
             time.sleep(min(1.0, self.config.stall_timeout_s / 4))
             if self._thread is not None and not self._thread.is_alive():
                 break
 
     def _notify_health(self) -> None:
-        if self._on_health_change is not None and self._loop is not None and not self._loop.is_closed():
+        if self._on_health_change is not None:
+            self._call_in_loop(self._on_health_change, self.is_healthy)
+
+    def _notify_fatal(self, reason: str) -> None:
+        if self._on_fatal is not None:
+            self._call_in_loop(self._on_fatal, reason)
+
+    def _call_in_loop(self, fn: Callable[..., None], *args: object) -> None:
+        if self._loop is not None and not self._loop.is_closed():
             try:
-                self._loop.call_soon_threadsafe(self._on_health_change, self.is_healthy)
-            except RuntimeError:
+                self._loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop closed meanwhile
                 pass
+
+    def _fail_collectors(self, message: str) -> None:
+        """Runs in the event loop: end every stream at once (the engine thread is stuck and cannot)."""
+        for req_id, collector in self._collectors.items():
+            collector.put(RequestOutput(req_id, [], finished=True, finish_reason="error", error=message))

@@ -32,6 +32,9 @@ DEFAULT_KV_CACHE_MEMORY = "0.25"  # a quarter of the available memory
 
 
 class EngineCore:
+    last_step: StepStats | None  # statistics of the last step
+    last_newly_scheduled: list[str]  # requests the last step scheduled for the first time
+
     def __init__(
         self,
         engine_dir: str | Path,
@@ -59,18 +62,26 @@ class EngineCore:
             max_num_batched_tokens=max_num_batched_tokens,
         )
         self.runner = NumpyRunner(engine_dir, num_kv_blocks=num_kv_blocks, config=self.config)
-        self.kv = KVCacheManager(BlockPool(num_kv_blocks, enable_prefix_caching), self.sched_cfg.block_size)
-        self.scheduler = Scheduler(self.sched_cfg, self.kv, clock)
-        self.sampler = Sampler(sampler_seed)
-        self.outputs = OutputProcessor(self.tokenizer)
-        self.cost = StepCost(self.config.arch)
         self.clock = clock
+        self.sampler = Sampler(sampler_seed)
+        self.reset()
+        self.cost = StepCost(self.config.arch)
         self.eos_token_ids = frozenset(self.config.tokenizer.eos_token_ids)
         sc = self.sched_cfg
         self.limits = RequestLimits(self.config.arch.vocab_size, sc.max_seq_len, sc.block_size, sc.num_kv_blocks)
-        self.last_step: StepStats | None = None
-        self.last_newly_scheduled: list[str] = []  # requests the last step scheduled for the first time
         self._steps = itertools.count()
+
+    def reset(self) -> None:
+        """A fresh KV pool, scheduler and output state (at start, and after a failed step: the weights stay).
+
+        The runner's KV arrays are not cleared: a block is always written before any attention reads it.
+        """
+        sc = self.sched_cfg
+        self.kv = KVCacheManager(BlockPool(sc.num_kv_blocks, sc.enable_prefix_caching), sc.block_size)
+        self.scheduler = Scheduler(sc, self.kv, self.clock)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.last_step = None
+        self.last_newly_scheduled = []
 
     # ---- requests --------------------------------------------------------------------------------
     def check(self, gen: GenerateRequest) -> None:

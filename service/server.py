@@ -47,6 +47,7 @@ class ServerConfig:
     prefix_caching: bool = True
     drain_timeout_s: float = 30.0
     stall_timeout_s: float = 60.0
+    on_engine_error: str = "exit"  # exit: the process exits non-zero (a supervisor restarts it); recover
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None  # require and verify client certificates (mutual TLS)
@@ -117,7 +118,10 @@ class LLMServer:
         self.port = 0
         self.metrics_port: int | None = None
         self._draining = False
+        self._force = False  # a second signal: stop waiting for streams
         self._tasks: set[asyncio.Future] = set()
+        self.fatal: str | None = None  # why the engine can no longer serve (the process should exit non-zero)
+        self.fatal_event = asyncio.Event()
 
     # ---- startup ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -212,8 +216,11 @@ class LLMServer:
         self.metrics.set_static(core.sched_cfg.num_kv_blocks, ceilings)
         return AsyncEngine(
             core,
-            AsyncEngineConfig(max_queue=cfg.max_queue, stall_timeout_s=cfg.stall_timeout_s),
+            AsyncEngineConfig(
+                max_queue=cfg.max_queue, stall_timeout_s=cfg.stall_timeout_s, on_failure=cfg.on_engine_error
+            ),
             on_health_change=self._on_health_change,
+            on_fatal=self._on_fatal,
         )
 
     async def _warm_up(self, engine: AsyncEngine) -> None:
@@ -223,6 +230,11 @@ class LLMServer:
         async for _ in engine.generate(gen):
             pass
         logger.info("warm-up generation done")
+
+    def _on_fatal(self, reason: str) -> None:
+        logger.error("engine failed (%s): the service cannot serve any more and will exit", reason)
+        self.fatal = reason
+        self.fatal_event.set()
 
     def _on_health_change(self, healthy: bool) -> None:
         task = asyncio.ensure_future(self._set_serving(healthy))
@@ -249,7 +261,7 @@ class LLMServer:
         # Generate streams in flight only, then stop with no grace (one stop() call: concurrent calls crash grpc).
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.servicer.num_active and loop.time() < deadline:
+        while self.servicer.num_active and loop.time() < deadline and not self._force:
             await asyncio.sleep(0.02)
         if self.servicer.num_active:  # the drain timeout: end what still runs, with a status that says so
             logger.warning("drain timeout: ending %d RPCs still in flight", self.servicer.num_active)
@@ -267,6 +279,10 @@ class LLMServer:
             self._metrics_http.shutdown()
         self.servicer.close()
         logger.info("stopped")
+
+    def force_stop(self) -> None:
+        """A second SIGINT/SIGTERM: end the drain now (streams still running are cut)."""
+        self._force = True
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import socket
+import subprocess
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.llm.v1 import llm_pb2_grpc
 from service.server import LLMServer, ServerConfig
@@ -79,3 +83,26 @@ def running_server(engine_dir, **overrides) -> Iterator[ServerThread]:
         yield server
     finally:
         server.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if (
+                health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                == health_pb2.HealthCheckResponse.SERVING
+            ):
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError("the service never became SERVING")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,30 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 from tests.engines import build_tiny
-from tests.servers import running_server
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_serving(target: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read()
-        try:
-            if (
-                health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                == health_pb2.HealthCheckResponse.SERVING
-            ):
-                return
-        except grpc.RpcError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError("the service never became SERVING")
+from tests.servers import free_port, running_server, wait_serving
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +27,14 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_sigterm_drains_streams_in_flight(engine_dir: Path) -> None:
-    port = _free_port()
+    port = free_port()
     target = f"127.0.0.1:{port}"
     env = {**os.environ, "LLM_ENGINE": str(engine_dir), "LLM_PORT": str(port)}  # flags from the environment
     cmd = [sys.executable, "-m", "service", "--metrics-port", "-1", "--kv-cache-memory", "128MiB",
            "--drain-timeout", "20", "--no-measure-ceilings"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_serving(target, proc)
+        wait_serving(target, proc)
         channel = grpc.insecure_channel(target)
         stub = llm_pb2_grpc.LLMServiceStub(channel)
         statuses: list[int] = []
@@ -113,12 +89,12 @@ def test_sigterm_drains_streams_in_flight(engine_dir: Path) -> None:
 
 
 def test_sigterm_with_zero_drain_exits_fast(engine_dir: Path) -> None:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "service", "--engine", str(engine_dir), "--port", str(port), "--metrics-port", "-1",
            "--kv-cache-memory", "128MiB", "--drain-timeout", "0", "--no-measure-ceilings"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_serving(f"127.0.0.1:{port}", proc)
+        wait_serving(f"127.0.0.1:{port}", proc)
         stub = llm_pb2_grpc.LLMServiceStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
         stream = stub.Generate(
             llm_pb2.GenerateRequest(prompt="x", stopping=llm_pb2.StoppingParams(max_tokens=1000, ignore_eos=True))
