@@ -16,6 +16,7 @@ DEFAULTS = BuildLimits()
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         prog="python -m build_engine",
         description="Compile a Llama-architecture model into an engine directory for the serving service.",
     )
@@ -24,8 +25,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         required=True,
         help=f"{' | '.join(NAMED_MODELS)} | path to a GGUF file | path to a Hugging Face checkpoint directory",
     )
-    parser.add_argument("--output", required=True, help="engine directory to write (must not exist unless --force)")
-    parser.add_argument("--backend", choices=["native"], default="native", help="engine backend (default: native)")
+    parser.add_argument(
+        "--output",
+        required=True,
+        help="engine directory to write; if it already holds the engine this build would write, the build is "
+        "skipped; another engine there is refused unless --force",
+    )
+    parser.add_argument("--backend", choices=["native"], default="native", help="engine backend")
     parser.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size, help="sequences per step")
     parser.add_argument("--max-num-tokens", type=int, default=DEFAULTS.max_num_tokens, help="tokens per step")
     parser.add_argument(
@@ -36,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--kv-block-size", type=int, default=DEFAULTS.kv_block_size, help="tokens per KV block")
     parser.add_argument("--dtype", choices=SUPPORTED_DTYPES, default=DEFAULTS.dtype, help="weight/activation dtype")
-    parser.add_argument("--force", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--force", action="store_true", help="rebuild and replace whatever the output holds")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -53,10 +59,17 @@ def main(argv: list[str] | None = None) -> int:
             "kv_block_size": args.kv_block_size,
             "dtype": args.dtype,
         }
-        config = build(args.model, args.output, limits, force=args.force, progress=not args.no_progress)
+        result = build(args.model, args.output, limits, force=args.force, progress=not args.no_progress)
     except (BuildError, EngineFormatError) as exc:
         print(f"build_engine: error: {exc}", file=sys.stderr)
         return 2
+    config = result.config
+    if result.skipped:
+        print(
+            f"engine {args.output} is up to date (same model input and build settings, every file matches its "
+            "manifest checksum): skipping the build"
+        )
+        return 0
     arch = config.arch
     print(
         f"built {config.model_name} -> {args.output} in {time.perf_counter() - start:.1f}s: "

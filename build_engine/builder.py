@@ -93,21 +93,49 @@ def _write_files(out: Path, source: ModelSource, config: EngineConfig, progress:
     (out / spec.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class BuildResult:
+    config: EngineConfig
+    skipped: bool  # an identical engine was already at the output: nothing was written
+
+
+def is_current(output: Path, config: EngineConfig) -> bool:
+    """True when `output` holds an intact engine with exactly this config (same input checksum, same settings).
+
+    Builds are deterministic (same input and settings give byte-identical files), so an equal config.json whose
+    files all match the manifest is the engine this build would write.
+    """
+    try:
+        same = (output / spec.CONFIG_FILE).read_text() == config.to_json()
+        return same and spec.verify_manifest(output) is None
+    except (OSError, EngineFormatError, ValueError, KeyError):
+        return False
+
+
 def build(
     model: str, output: str | Path, limits: dict[str, Any] | None = None, force: bool = False, progress: bool = True
-) -> EngineConfig:
+) -> BuildResult:
     """Build a native engine for `model` into `output`; nothing is left behind at `output` on failure.
 
     `limits` holds BuildLimits fields (max_batch_size, max_num_tokens, max_seq_len, kv_block_size, dtype);
-    missing or None ones take their defaults, max_seq_len the model's max_position_embeddings.
+    missing or None ones take their defaults, max_seq_len the model's max_position_embeddings. An engine already
+    at `output` is kept when it is the one this build would write (skipped=True), refused when it differs,
+    and replaced with force=True.
     """
     output = Path(output)
-    if output.exists() and not force:
-        raise BuildError(f"output directory {output} already exists (use --force to replace it)")
+    if output.exists() and not output.is_dir():
+        raise BuildError(f"output {output} exists and is not a directory")
     output.parent.mkdir(parents=True, exist_ok=True)
     with resolve_model(model) as source:
         check_tensors(source)
         config = _engine_config(source, limits or {})
+        if output.exists() and not force:
+            if is_current(output, config):
+                return BuildResult(config, skipped=True)
+            raise BuildError(
+                f"output directory {output} already holds a different engine (other input or settings, or "
+                "damaged); use --force to replace it"
+            )
         tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the engine is read by other users (containers)
         try:
@@ -116,7 +144,7 @@ def build(
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return config
+    return BuildResult(config, skipped=False)
 
 
 def _replace_dir(new: Path, target: Path) -> None:

@@ -38,23 +38,23 @@ def call_metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling and stopping (unset: the server's defaults)")
-    g.add_argument("--max-tokens", type=int)
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--min-p", type=float)
-    g.add_argument("--repetition-penalty", type=float)
-    g.add_argument("--presence-penalty", type=float)
-    g.add_argument("--frequency-penalty", type=float)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--min-tokens", type=int, default=0)
+    g = p.add_argument_group("sampling and stopping (unset: the server's defaults, which are vLLM's)")
+    g.add_argument("--max-tokens", type=int, help="tokens to generate at most (server default 16)")
+    g.add_argument("--temperature", type=float, help="softmax temperature, 0 = greedy (server default 1.0)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens, 0 = all")
+    g.add_argument("--top-p", type=float, help="keep the smallest set with this cumulative probability, in (0, 1]")
+    g.add_argument("--min-p", type=float, help="drop tokens less likely than min_p x the most likely, in [0, 1]")
+    g.add_argument("--repetition-penalty", type=float, help="> 1 discourages tokens of the prompt and output")
+    g.add_argument("--presence-penalty", type=float, help="subtracted once from generated tokens, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, help="subtracted per occurrence in the output, in [-2, 2]")
+    g.add_argument("--seed", type=int, help="sampling seed: the same seed gives the same tokens")
+    g.add_argument("--min-tokens", type=int, default=0, help="end-of-sequence is ignored until this many tokens")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--logprobs", type=int, help="log-probabilities of the chosen token and the top N")
-    g.add_argument("--priority", type=int, default=0)
-    g.add_argument("--request-id", default="")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    g.add_argument("--logprobs", type=int, help="log-probabilities of the chosen token and the top N (0-20)")
+    g.add_argument("--priority", type=int, default=0, help="lower values are scheduled first")
+    g.add_argument("--request-id", default="", help="id echoed in the final message and logs (default: made up)")
 
 
 def build_request(args: argparse.Namespace, prompt: str, chat: bool) -> llm_pb2.GenerateRequest:

@@ -15,7 +15,11 @@ from clients.common import add_connection_args, open_channel
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clients.health", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m clients.health",
+        description=__doc__.splitlines()[0],
+    )
     add_connection_args(p)
     p.add_argument("--service", default="", help="service name to check ('' = the whole server)")
     p.add_argument("--timeout", type=float, default=2.0)

@@ -20,7 +20,11 @@ from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m clients.stream", description="Stream a completion from the service.")
+    p = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m clients.stream",
+        description="Stream a completion from the service.",
+    )
     p.add_argument("prompt", help="prompt text (a user message with --chat)")
     add_connection_args(p)
     p.add_argument("--chat", action="store_true", help="send the prompt as a chat message (the chat template applies)")

@@ -27,6 +27,7 @@ def _env(flag: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         prog="python -m service",
         description="Serve an engine over gRPC (llm.v1.LLMService, grpc.health.v1, reflection) with Prometheus "
         "metrics. Every flag can also be set by the environment variable shown in brackets.",
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     add("--engine", "engine directory written by python -m build_engine", required=True)
     add("--backend", "engine backend", choices=["native"], default="native")
-    add("--host", "address to bind (default 127.0.0.1; 0.0.0.0 in containers)", default="127.0.0.1")
+    add("--host", "address to bind (0.0.0.0 in containers)", default="127.0.0.1")
     add("--port", "gRPC port (0 picks a free one)", type=int, default=50051)
     add("--metrics-port", "Prometheus port (-1 disables the endpoint)", type=int, default=9400)
     add(

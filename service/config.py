@@ -77,18 +77,33 @@ def parse_memory(value: str) -> tuple[int | None, float | None]:
     return int(number), None
 
 
-def kv_blocks_for_budget(engine: EngineConfig, budget: str, bytes_per_block: int) -> tuple[int, int]:
-    """Number of KV blocks that fit a budget ('--kv-cache-memory'); returns (blocks, budget in bytes)."""
+AUTO_KV_FRACTION = 0.10  # the cap of --kv-cache-memory auto, as a fraction of available memory
+
+
+def kv_blocks_for_budget(
+    engine: EngineConfig, budget: str, bytes_per_block: int, max_num_seqs: int | None = None
+) -> tuple[int, int]:
+    """Number of KV blocks for '--kv-cache-memory'; returns (blocks, budget in bytes).
+
+    'auto': what the engine's limits can use (max_num_seqs sequences of max_seq_len tokens, so a full batch never
+    preempts), capped at AUTO_KV_FRACTION of available memory but never below one max_seq_len request.
+    Otherwise bytes ('512MiB', '2G') or a fraction of available memory ('0.25', '25%').
+    """
+    per_request = -(-engine.limits.max_seq_len // engine.limits.kv_block_size)
+    if budget.strip().lower() == "auto":
+        wanted = (max_num_seqs or engine.limits.max_batch_size) * per_request
+        cap = int(available_memory_bytes() * AUTO_KV_FRACTION) // bytes_per_block
+        blocks = max(per_request, min(wanted, cap))
+        return blocks, blocks * bytes_per_block
     absolute, fraction = parse_memory(budget)
     if fraction is not None:
         if not 0 < fraction <= 0.95:
             raise ValueError(f"kv cache memory fraction must be in (0, 0.95], got {fraction}")
         absolute = int(available_memory_bytes() * fraction)
     blocks = absolute // bytes_per_block
-    needed = -(-engine.limits.max_seq_len // engine.limits.kv_block_size)
-    if blocks < needed:
+    if blocks < per_request:
         raise ValueError(
-            f"kv cache memory {absolute} bytes holds {blocks} blocks, fewer than the {needed} one request of "
+            f"kv cache memory {absolute} bytes holds {blocks} blocks, fewer than the {per_request} one request of "
             f"max_seq_len={engine.limits.max_seq_len} may need; raise --kv-cache-memory or rebuild with a smaller "
             "--max-seq-len"
         )

@@ -28,7 +28,7 @@ from service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_MEMORY = "0.25"  # a quarter of the available memory
+DEFAULT_KV_CACHE_MEMORY = "auto"  # what the limits need, capped (service/config.py kv_blocks_for_budget)
 
 
 class EngineCore:
@@ -52,7 +52,7 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_engine_dir(engine_dir)
         bytes_per_block = NumpyRunner.kv_bytes_per_block(self.config)
         if num_kv_blocks is None:
-            num_kv_blocks, budget = kv_blocks_for_budget(self.config, kv_cache_memory, bytes_per_block)
+            num_kv_blocks, budget = kv_blocks_for_budget(self.config, kv_cache_memory, bytes_per_block, max_num_seqs)
             logger.info("KV cache budget %s = %.1f MiB -> %d blocks", kv_cache_memory, budget / 2**20, num_kv_blocks)
         self.sched_cfg = SchedulerConfig.from_engine(
             self.config,

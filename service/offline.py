@@ -23,7 +23,11 @@ SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m service.offline", description="Generate text offline from an engine.")
+    p = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m service.offline",
+        description="Generate text offline from an engine.",
+    )
     p.add_argument("--engine", required=True, help="engine directory written by python -m build_engine")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (a user message with --chat)")
@@ -33,8 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(max_tokens, temperature, top_p, seed, stop, ...); all run concurrently through the scheduler",
     )
     p.add_argument("--chat", action="store_true", help="render the prompt as a user message with the chat template")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
@@ -45,15 +49,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+SPEC_KEYS = {"id", "prompt", "messages", "chat"}
+
+
+class PromptsFileError(ValueError):
+    """A line of --prompts-file is not a valid request; the message names the file, the line and the problem."""
+
+
 def _encode(tokenizer: Tokenizer, spec: dict[str, Any], chat: bool) -> list[int]:
     if "messages" in spec:
-        return tokenizer.encode_chat(spec["messages"])
+        messages = spec["messages"]
+        ok = (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
+        )
+        if not ok:
+            raise ValueError('"messages" must be a non-empty list of {"role": str, "content": str} objects')
+        return tokenizer.encode_chat(messages)
+    prompt = spec["prompt"]
+    if not isinstance(prompt, str):
+        raise ValueError(f'"prompt" must be a string, got {type(prompt).__name__}')
     if chat or spec.get("chat"):
-        return tokenizer.encode_chat([{"role": "user", "content": spec["prompt"]}])
-    return tokenizer.encode(spec["prompt"])
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    return tokenizer.encode(prompt)
 
 
-def _requests(args: argparse.Namespace, tokenizer: Tokenizer) -> list[GenerateRequest]:
+def _spec_request(spec: Any, index: int, defaults: dict[str, Any], tokenizer: Tokenizer, chat: bool) -> GenerateRequest:
+    if not isinstance(spec, dict):
+        raise ValueError(f"each line must be a JSON object, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - SPEC_KEYS - SAMPLING_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))} (known: prompt, messages, chat, id and "
+                         f"the sampling fields {', '.join(sorted(SAMPLING_FIELDS))})")  # fmt: skip
+    if ("prompt" in spec) == ("messages" in spec):
+        raise ValueError('each line needs exactly one of "prompt" or "messages"')
+    fields = {**defaults, **{k: v for k, v in spec.items() if k in SAMPLING_FIELDS}}
+    for key in ("stop", "stop_token_ids"):
+        if key in fields:
+            if not isinstance(fields[key], list):
+                raise ValueError(f'"{key}" must be a list')
+            fields[key] = tuple(fields[key])
+    try:
+        sampling = SamplingParams(**fields)
+    except TypeError as exc:  # e.g. a string where a number belongs
+        raise ValueError(f"a sampling field has the wrong type ({exc})") from None
+    return GenerateRequest(str(spec.get("id", index)), _encode(tokenizer, spec, chat), sampling)
+
+
+def _requests(args: argparse.Namespace, engine: EngineCore) -> list[GenerateRequest]:
+    """The requests to run, each checked against the engine (errors name the prompts file's line)."""
     defaults = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -62,20 +110,26 @@ def _requests(args: argparse.Namespace, tokenizer: Tokenizer) -> list[GenerateRe
         "seed": args.seed,
         "ignore_eos": args.ignore_eos,
     }
+    tokenizer = engine.tokenizer
     if args.prompt is not None:
-        specs = [{"prompt": args.prompt}]
-    else:
-        with open(args.prompts_file) as f:
-            specs = [json.loads(line) for line in f if line.strip()]
-    gens = []
-    for i, spec in enumerate(specs):
-        fields = {**defaults, **{k: v for k, v in spec.items() if k in SAMPLING_FIELDS}}
-        for key in ("stop", "stop_token_ids"):
-            if key in fields:
-                fields[key] = tuple(fields[key])
-        gens.append(
-            GenerateRequest(str(spec.get("id", i)), _encode(tokenizer, spec, args.chat), SamplingParams(**fields))
-        )
+        gen = _spec_request({"prompt": args.prompt}, 0, defaults, tokenizer, args.chat)
+        engine.check(gen)
+        return [gen]
+    gens: list[GenerateRequest] = []
+    ids: set[str] = set()
+    with open(args.prompts_file) as f:
+        for lineno, line in enumerate(f, start=1):  # numbered as editors number them, blank lines included
+            if not line.strip():
+                continue
+            try:
+                gen = _spec_request(json.loads(line), len(gens), defaults, tokenizer, args.chat)
+                engine.check(gen)
+                if gen.request_id in ids:
+                    raise ValueError(f"id {gen.request_id!r} is used twice")
+            except (ValueError, ChatTemplateError) as exc:  # json, InvalidRequest and our own errors
+                raise PromptsFileError(f"{args.prompts_file}:{lineno}: {exc}") from None
+            ids.add(gen.request_id)
+            gens.append(gen)
     return gens
 
 
@@ -100,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         engine = EngineCore(
             args.engine, kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching
         )
-        gens = _requests(args, engine.tokenizer)
+        gens = _requests(args, engine)
         for gen in gens:
-            engine.add_request(gen)
-    except (EngineFormatError, ChatTemplateError, InvalidRequest, ValueError, OSError, KeyError) as exc:
+            engine.enqueue(gen, gen.request_id)  # checked above
+    except (EngineFormatError, ChatTemplateError, InvalidRequest, ValueError, OSError) as exc:
         print(f"offline: error: {exc}", file=sys.stderr)
         return 2
     stream = args.prompt is not None and not args.json

@@ -2,9 +2,10 @@
 
 There is no prefill or decode phase in the scheduler state: every request has num_computed_tokens and
 catches up to num_tokens within a per-step token budget. Running requests go first (so decodes are never
-starved by prefills, and a long prompt advances one chunk per step), then waiting requests in
-(priority, arrival) order while blocks, budget and the batch cap allow. When a running request cannot
-get a block, the lowest-priority, newest running request is preempted by recompute.
+starved by prefills, and a long prompt advances one chunk per step, leaving a quarter of the budget to
+waiting requests while there are some), then waiting requests in (priority, arrival) order while blocks,
+budget and the batch cap allow. When a running request cannot get a block, the lowest-priority, newest
+running request is preempted by recompute.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from service.request import Request, RequestStatus
 from service.scheduler_output import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# Share of a step's token budget that running prefills leave to waiting requests (only while some wait).
+WAITING_RESERVE_FRACTION = 0.25
 
 
 class Scheduler:
@@ -62,10 +66,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
+        # NOTE: while requests wait for a slot, prefill chunks of running requests leave them a share of the
+        # budget, so a short request arriving during a long chunked prefill starts in the next step.
+        can_admit = self.waiting and len(self.running) < self.cfg.max_num_seqs
+        reserve = int(budget * WAITING_RESERVE_FRACTION) if can_admit else 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new > 1:  # a prefill (or recompute) chunk
+                num_new = min(num_new, budget - reserve)
+                if num_new <= 0:
+                    i += 1
+                    continue
             scheduled = True
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = max(self.running, key=lambda r: self._order[r.request_id])  # lowest priority, newest

@@ -155,10 +155,12 @@ def test_step_failure_fails_requests_and_marks_engine_dead(engine_dir: Path) -> 
 
 
 def test_watchdog_reports_a_stalled_step(engine_dir: Path) -> None:
-    async def main() -> None:
+    async def main(on_failure: str) -> None:
         health: list[bool] = []
+        fatal: list[str] = []
         core = EngineCore(engine_dir, num_kv_blocks=64)
-        engine = AsyncEngine(core, AsyncEngineConfig(stall_timeout_s=0.2), on_health_change=health.append)
+        config = AsyncEngineConfig(stall_timeout_s=0.2, on_failure=on_failure)
+        engine = AsyncEngine(core, config, on_health_change=health.append, on_fatal=fatal.append)
         engine.start()
         real = core.runner.execute
 
@@ -167,13 +169,23 @@ def test_watchdog_reports_a_stalled_step(engine_dir: Path) -> None:
             return real(batch)
 
         core.runner.execute = slow
-        outs = await _collect(engine, _gen("slow", 1))
-        assert outs[-1].finished
-        await asyncio.sleep(0.3)
-        assert health[:2] == [False, True] and engine.is_healthy
+        if on_failure == "recover":  # unhealthy while the step runs, healthy again once it returns
+            outs = await _collect(engine, _gen("slow", 1))
+            assert outs[-1].finished
+            await asyncio.sleep(0.3)
+            assert health[:2] == [False, True] and engine.is_healthy and not fatal
+        else:  # a stalled step is fatal: the stream fails at the stall limit, not when the step returns
+            start = time.monotonic()
+            with pytest.raises(EngineError, match="stalled"):
+                await _collect(engine, _gen("slow", 1))
+            assert time.monotonic() - start < 0.7
+            assert fatal == ["engine step stalled"] and not engine.is_healthy
+            with pytest.raises(EngineUnavailable):
+                await _collect(engine, _gen("after", 1))
         await engine.shutdown()
 
-    asyncio.run(main())
+    asyncio.run(main("recover"))
+    asyncio.run(main("exit"))
 
 
 def test_draining_engine_rejects_new_requests(engine_dir: Path) -> None:

@@ -120,12 +120,23 @@ def test_llama3_rope_factors_keep_high_and_scale_low_frequencies() -> None:
     assert np.all(np.diff(f) >= 0)
 
 
-def test_existing_output_needs_force(tmp_path: Path) -> None:
+def test_existing_output_is_skipped_when_current_and_needs_force_otherwise(tmp_path: Path) -> None:
     out = tmp_path / "e"
     assert _run_cli("--model", "tiny-random", "--output", str(out)).returncode == 0
-    again = _run_cli("--model", "tiny-random", "--output", str(out))
-    assert again.returncode == 2
-    assert again.stderr.strip().count("\n") == 0 and "already exists" in again.stderr
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    again = _run_cli("--model", "tiny-random", "--output", str(out))  # the README's command, run twice
+    assert again.returncode == 0 and "up to date" in again.stdout and "skipping the build" in again.stdout
+    assert (out / "model.safetensors").stat().st_mtime_ns == mtime
+    other = _run_cli("--model", "tiny-random", "--output", str(out), "--max-num-tokens", "128")
+    assert other.returncode == 2
+    assert other.stderr.strip().count("\n") == 0 and "different engine" in other.stderr
+    with open(out / "model.safetensors", "r+b") as f:  # one byte flipped in place: damaged, so not current
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+    damaged = _run_cli("--model", "tiny-random", "--output", str(out))
+    assert damaged.returncode == 2 and "damaged" in damaged.stderr
     forced = _run_cli("--model", "tiny-random", "--output", str(out), "--force", "--max-num-tokens", "128")
     assert forced.returncode == 0
     assert load_engine_config(out).limits.max_num_tokens == 128

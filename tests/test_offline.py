@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from service.engine import EngineCore
 from service.request import GenerateRequest, SamplingParams
 
@@ -61,3 +63,27 @@ def test_bad_arguments_exit_2(tiny_engine_dir: Path, tmp_path: Path) -> None:
     assert bad.returncode == 2 and "temperature" in bad.stderr
     missing = _cli("--engine", str(tmp_path / "nope"), "--prompt", "x")
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (['{"prompt": "ok"}', "", '{"prompt": 5}'], 'p.jsonl:3: "prompt" must be a string, got int'),
+        (['{"promt": "typo"}'], "p.jsonl:1: unknown key(s) 'promt'"),
+        (["", "", "not json"], "p.jsonl:3: Expecting value"),
+        (['{"prompt": "x", "temperature": "hot"}'], "p.jsonl:1: a sampling field has the wrong type"),
+        (['{"prompt": "x", "max_tokens": 0}'], "p.jsonl:1: max_tokens must be >= 1"),
+        (['{"prompt_token_ids": [1]}'], "p.jsonl:1: unknown key(s) 'prompt_token_ids'"),
+        (['{"prompt": "x", "stop_token_ids": [99999]}'], "p.jsonl:1: stopping.stop_token_ids contains token id 99999"),
+        (['{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}'], "p.jsonl:2: id 'a' is used twice"),
+        (['{"messages": "hi"}'], 'p.jsonl:1: "messages" must be a non-empty list'),
+        (["[1, 2]"], "p.jsonl:1: each line must be a JSON object, got list"),
+    ],
+)
+def test_prompts_file_errors_name_the_line(tiny_engine_dir: Path, tmp_path: Path, lines, message) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    result = _cli("--engine", str(tiny_engine_dir), "--prompts-file", str(path))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+    assert message in result.stderr

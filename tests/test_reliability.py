@@ -200,3 +200,74 @@ def test_a_busy_port_is_refused(engine_dir: Path) -> None:
                 third.start()
             third.stop()
         assert _health(first) == SERVING
+
+
+# ---- 6. final status codes: deadlines, and streams cut by the drain timeout ----------------------------------------
+
+
+def _count(server: ServerThread, code: str) -> float:
+    try:
+        return server.metric("llm_requests_total", f'code="{code}"')
+    except KeyError:
+        return 0.0
+
+
+def test_deadlines_are_counted_as_deadline_exceeded(server: ServerThread) -> None:
+    stub = server.stub()
+    before = {c: _count(server, c) for c in ("CANCELLED", "DEADLINE_EXCEEDED")}
+
+    def one(i: int) -> grpc.StatusCode:
+        try:
+            _tokens(stub, _req(prompt=f"deadline {i}", max_tokens=900), timeout=0.3)
+        except grpc.RpcError as err:
+            return err.code()
+        return grpc.StatusCode.OK
+
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(one, range(16)))
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 16
+    deadline = time.monotonic() + 2
+    while _count(server, "DEADLINE_EXCEEDED") - before["DEADLINE_EXCEEDED"] < 16:
+        assert time.monotonic() < deadline, "deadlines not counted as DEADLINE_EXCEEDED"
+        time.sleep(0.02)
+    assert _count(server, "CANCELLED") == before["CANCELLED"]
+    _wait_idle(server)
+
+
+def test_drain_timeout_cuts_streams_with_aborted_or_unavailable(engine_dir: Path) -> None:
+    srv = ServerThread(make_config(engine_dir, max_num_seqs=1)).start()
+    try:
+        stub = srv.stub()
+        running = stub.Generate(_req(prompt="running", max_tokens=900))
+        next(running)  # decoding: it holds the only sequence slot
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(lambda: _tokens(stub, _req(prompt="queued", max_tokens=10)))
+            time.sleep(0.2)  # admitted, waiting for the slot: no output yet
+            srv.run(srv.server.drain_and_stop(0.3))
+            with pytest.raises(grpc.RpcError) as err:
+                list(running)
+            assert err.value.code() == grpc.StatusCode.ABORTED and "after" in err.value.details()
+            with pytest.raises(grpc.RpcError) as err:
+                queued.result(timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shut down" in err.value.details()
+    finally:
+        srv.stop()
+
+
+def test_stream_client_prints_one_clean_error_when_the_server_goes_away(engine_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    srv = ServerThread(make_config(engine_dir)).start()
+    try:
+        cmd = [sys.executable, "-m", "clients.stream", "--target", srv.target, "Hi", "--max-tokens", "900",
+               "--ignore-eos"]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while not proc.stdout.read(1):  # streaming
+            pass
+        srv.run(srv.server._server.stop(0))  # gone at once: clients get GOAWAY "Cancelling all calls"
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 1
+        assert [line for line in err.splitlines() if line.strip()] == ["error: UNAVAILABLE: Cancelling all calls"]
+    finally:
+        srv.stop()

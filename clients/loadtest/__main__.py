@@ -37,9 +37,13 @@ def _range(text: str | None) -> tuple[int, int] | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m clients.loadtest", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m clients.loadtest",
+        description=__doc__.splitlines()[0],
+    )
     add_connection_args(p)
-    p.add_argument("--protocol", choices=["llm", "triton"], default="llm", help="llm.v1 (default) or Triton KServe v2")
+    p.add_argument("--protocol", choices=["llm", "triton"], default="llm", help="llm.v1 or Triton KServe v2")
     p.add_argument("--model", default="ensemble", help="Triton model name (with --protocol triton)")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", default="synthetic", help="'synthetic', a JSONL prompt file, or a ShareGPT JSON file")
@@ -56,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--concurrency", help="closed loop: comma-separated concurrency levels, e.g. 1,4,16,64")
     mode.add_argument("--request-rate", help="open loop: comma-separated request rates per second")
     load_args.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
-    load_args.add_argument("--num-requests", type=int, default=64, help="requests per run (default 64)")
+    load_args.add_argument("--num-requests", type=int, default=64, help="requests per run")
     load_args.add_argument("--duration", type=float, help="send for this many seconds instead of --num-requests")
     load_args.add_argument("--warmup", type=int, default=2, help="uncounted requests before each run")
     load_args.add_argument("--time-limit", type=float, default=600.0, help="hard limit per run, seconds")

@@ -1,0 +1,49 @@
+"""Command-line surface: --help shows defaults and explains every flag; console commands beside python -m."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMMANDS = {  # console script -> the python -m module it runs
+    "llm-serve": "service",
+    "llm-build-engine": "build_engine",
+    "llm-offline": "service.offline",
+    "llm-stream": "clients.stream",
+    "llm-health": "clients.health",
+    "llm-loadtest": "clients.loadtest",
+}
+
+
+def _help(*cmd: str) -> str:
+    out = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=60, check=True)
+    return out.stdout
+
+
+@pytest.mark.parametrize("script", sorted(COMMANDS))
+def test_console_commands_run_the_modules(script: str) -> None:
+    path = shutil.which(script) or str(Path(sys.executable).parent / script)
+    assert Path(path).is_file(), f"{script} is not installed (pip install -e .)"
+    assert _help(path) == _help(sys.executable, "-m", COMMANDS[script])
+
+
+def test_help_shows_defaults() -> None:
+    text = " ".join(_help(sys.executable, "-m", "service").split())
+    for expected in ("(default: 50051)", "(default: auto)", "(default: exit)", "(default: 30.0)"):
+        assert expected in text
+    assert "(default: 16)" in " ".join(_help(sys.executable, "-m", "build_engine").split())
+
+
+def test_every_stream_flag_has_help() -> None:
+    lines = _help(sys.executable, "-m", "clients.stream").splitlines() + [""]
+    bare = [  # a flag (and its metavar) alone on its line, with no help text on the next line either
+        line.split()[0]
+        for line, nxt in itertools.pairwise(lines)
+        if line.startswith("  --") and len(line.split()) <= 2 and not nxt.startswith(" " * 8)
+    ]
+    assert not bare, f"flags without help: {bare}"
