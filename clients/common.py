@@ -19,16 +19,34 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auth-token-file", help="file holding the bearer token")
 
 
-def open_channel(args: argparse.Namespace) -> grpc.Channel:
-    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+def _options(args: argparse.Namespace) -> list[tuple[str, object]]:
+    options: list[tuple[str, object]] = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
     if args.tls_server_name:
         options.append(("grpc.ssl_target_name_override", args.tls_server_name))
-    if args.tls_ca:
-        key = Path(args.tls_key).read_bytes() if args.tls_key else None
-        cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
-        creds = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes(), key, cert)
+    return options
+
+
+def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    if not args.tls_ca:
+        return None
+    key = Path(args.tls_key).read_bytes() if args.tls_key else None
+    cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
+    return grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes(), key, cert)
+
+
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    creds, options = _credentials(args), _options(args)
+    if creds is not None:
         return grpc.secure_channel(args.target, creds, options=options)
     return grpc.insecure_channel(args.target, options=options)
+
+
+def open_aio_channel(args: argparse.Namespace) -> grpc.aio.Channel:
+    """The same channel for asyncio clients (load tester, stress tool); open it inside the running loop."""
+    creds, options = _credentials(args), _options(args)
+    if creds is not None:
+        return grpc.aio.secure_channel(args.target, creds, options=options)
+    return grpc.aio.insecure_channel(args.target, options=options)
 
 
 def call_metadata(args: argparse.Namespace) -> list[tuple[str, str]]:

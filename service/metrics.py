@@ -6,7 +6,9 @@ the servicer when an RPC ends (requests by final status code). Names follow vLLM
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import asyncio
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from service.request import RequestOutput
 from service.roofline import Ceilings
@@ -69,6 +71,14 @@ class ServiceMetrics:
         self.requests = Counter(
             "llm_requests", "Finished Generate RPCs by final gRPC status code.", ["code"], registry=r
         )
+        # the process: resident memory, open fds, CPU (process_*), and threads and event-loop tasks, which a
+        # leak would grow (the soak test reads these)
+        ProcessCollector(registry=r)
+        Gauge("llm_process_threads", "OS threads of the server process.", registry=r).set_function(_num_threads)
+        self.loop_tasks = Gauge("llm_event_loop_tasks", "asyncio tasks alive in the server's event loop.", registry=r)
+
+    def watch_event_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
 
     def set_static(self, num_kv_blocks: int, ceilings: Ceilings | None) -> None:
         self.blocks_total.set(num_kv_blocks)
@@ -122,3 +132,11 @@ class ServiceMetrics:
 
     def rpc_finished(self, code: str) -> None:
         self.requests.labels(code).inc()
+
+
+def _num_threads() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    except (OSError, StopIteration):
+        return 0

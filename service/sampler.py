@@ -44,6 +44,11 @@ def token_logprob(row: np.ndarray, token: int, top_n: int) -> TokenLogprob:
 
 def apply_penalties(row: np.ndarray, req: Request) -> None:
     """In place on one row of logits [V]."""
+    with np.errstate(over="ignore"):  # huge (valid) penalties saturate to +-inf, which is what they mean
+        _penalize(row, req)
+
+
+def _penalize(row: np.ndarray, req: Request) -> None:
     p = req.sampling
     if p.repetition_penalty != 1.0:
         seen = np.unique(np.asarray(req.all_token_ids, dtype=np.int64))

@@ -146,6 +146,7 @@ class LLMServer:
         # NOTE: the aio HealthServicer answers SERVING by default; say NOT_SERVING before anyone can ask.
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.metrics.watch_event_loop(asyncio.get_running_loop())
         self._start_metrics()  # both ports are bound before anything says "listening"
         self.port = self._bind(server, credentials)
         await server.start()

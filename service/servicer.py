@@ -172,7 +172,7 @@ class LLMServicer:
             with self._slot():
                 engine = self._ready()
                 parse(llm_pb2.GetModelInfoRequest, raw)
-                return model_info(engine)
+                return model_info(engine, self.max_active_rpcs)
         except Exception as exc:
             code, message = status_for(exc, None)
             await context.abort(code, message)
@@ -207,7 +207,7 @@ def tokenize(req: llm_pb2.TokenizeRequest, tokenizer: Tokenizer, limits: TextLim
     return llm_pb2.TokenizeResponse(token_ids=ids, tokens=tokens, rendered=rendered)
 
 
-def model_info(engine: AsyncEngine) -> llm_pb2.ModelInfo:
+def model_info(engine: AsyncEngine, max_concurrent_rpcs: int) -> llm_pb2.ModelInfo:
     core = engine.core
     cfg, arch, sched = core.config, core.config.arch, core.sched_cfg
     return llm_pb2.ModelInfo(
@@ -230,4 +230,6 @@ def model_info(engine: AsyncEngine) -> llm_pb2.ModelInfo:
         num_attention_heads=arch.num_attention_heads,
         num_key_value_heads=arch.num_key_value_heads,
         engine_format_version=spec.FORMAT_VERSION,
+        max_text_bytes=TextLimits.for_model(core.tokenizer, sched.max_seq_len).max_text_bytes,
+        max_concurrent_rpcs=max_concurrent_rpcs,
     )

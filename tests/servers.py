@@ -95,7 +95,7 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 60) -> No
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read()
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else f"exited with {proc.returncode}"
         try:
             if (
                 health.Check(health_pb2.HealthCheckRequest(), timeout=1).status

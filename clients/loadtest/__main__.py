@@ -18,7 +18,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from clients.common import add_connection_args, call_metadata, open_channel
+from clients.common import add_connection_args, call_metadata, open_aio_channel, open_channel
 from clients.loadtest import report
 from clients.loadtest.backends import Backend, LLMBackend, Sampling, TritonBackend
 from clients.loadtest.driver import closed_loop, open_loop
@@ -93,12 +93,7 @@ def tokenizer_fns(args: argparse.Namespace) -> TokenizerFns:
 def make_backend(args: argparse.Namespace) -> Backend:
     if args.protocol == "triton":
         return TritonBackend(args.target, args.model)
-    creds = None
-    if args.tls_ca:
-        key = Path(args.tls_key).read_bytes() if args.tls_key else None
-        cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
-        creds = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes(), key, cert)
-    return LLMBackend(args.target, creds, call_metadata(args))
+    return LLMBackend(open_aio_channel(args), call_metadata(args))
 
 
 async def run_sweep(args: argparse.Namespace, console: Console) -> list[dict]:

@@ -41,12 +41,8 @@ def _record_chunk(rec: RequestRecord, tokens: int) -> None:
 class LLMBackend:
     """llm.v1.LLMService over grpc.aio: one channel, many concurrent streams."""
 
-    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None = None, metadata=()) -> None:
-        options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
-        else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+    def __init__(self, channel: grpc.aio.Channel, metadata=()) -> None:
+        self._channel = channel
         self._stub = llm_pb2_grpc.LLMServiceStub(self._channel)
         self._metadata = tuple(metadata)
 
