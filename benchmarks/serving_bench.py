@@ -11,47 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
-import socket
-import subprocess
-import sys
-import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
-from benchmarks.common import DOC, machine_line, publish
+from benchmarks.common import DOC, free_port, machine_line, publish, start_service
 from clients.loadtest import report
 from clients.loadtest.__main__ import parse_args, run_sweep
 
 IMG = DOC.parent / "img" / "serving"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_service(engine: str, port: int, kv_memory: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "service", "--engine", engine, "--port", str(port), "--metrics-port", "-1",
-           "--kv-cache-memory", kv_memory, "--log-level", "WARNING"]  # fmt: skip
-    proc = subprocess.Popen(cmd)
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the service exited during startup")
-        try:
-            if (
-                health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                == health_pb2.HealthCheckResponse.SERVING
-            ):
-                return proc
-        except grpc.RpcError:
-            time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("the service did not become SERVING")
 
 
 def main() -> None:
@@ -64,7 +31,7 @@ def main() -> None:
     p.add_argument("--write", action="store_true", help="regenerate the serving section of docs/benchmarks.md")
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    port = _free_port()
+    port = free_port()
     proc = start_service(args.engine, port, args.kv_cache_memory)
     runs = []
     console = Console(stderr=True)

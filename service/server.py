@@ -274,8 +274,8 @@ class LLMServer:
                 await asyncio.sleep(0.01)
         if self._server is not None:
             await self._server.stop(0)
-        if self.engine is not None:
-            await self.engine.shutdown()
+        if self.engine is not None:  # a dead engine's thread may be stuck in a stalled step: do not wait long
+            await self.engine.shutdown(timeout=0.5 if self.fatal else 5.0)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         self.servicer.close()
