@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from benchmarks.common import gemm_gflops, machine_line, publish
-from service.engine import EngineCore
+from service.engine.core import EngineCore
 from service.request import GenerateRequest, SamplingParams
 
 

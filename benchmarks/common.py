@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.roofline import gemm_gflops, median_time, read_bandwidth_gbs
+from service.engine.roofline import gemm_gflops, median_time, read_bandwidth_gbs
 
 __all__ = [
     "free_port",

@@ -22,9 +22,9 @@ import numpy as np
 
 from benchmarks.common import gemm_gflops, machine_line, median_time, publish, read_bandwidth_gbs
 from build_engine.spec import load_engine_config
-from service.runners import numpy_runner
-from service.runners.base import ForwardBatch, SeqChunk
-from service.runners.numpy_runner import NumpyRunner
+from service.engine.runners import numpy_runner
+from service.engine.runners.base import ForwardBatch, SeqChunk
+from service.engine.runners.numpy_runner import NumpyRunner
 
 CATEGORIES = ("matmuls", "attention", "norms/RoPE/SiLU", "LM head", "other (embedding, Python)")
 

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from benchmarks.common import free_port, machine_line, start_service, write_section
 from build_engine.builder import build
 from protos.llm.v1 import llm_pb2, llm_pb2_grpc
-from service.engine import EngineCore
+from service.engine.core import EngineCore
 from service.request import GenerateRequest, SamplingParams
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"

@@ -13,8 +13,8 @@ import os
 import signal
 import sys
 
-from service.engine import DEFAULT_KV_CACHE_MEMORY
-from service.server import LLMServer, ServerConfig
+from service.api.server import LLMServer, ServerConfig
+from service.engine.core import DEFAULT_KV_CACHE_MEMORY
 
 logger = logging.getLogger("service")
 

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from build_engine.spec import EngineFormatError
-from service.engine import DEFAULT_KV_CACHE_MEMORY, EngineCore
+from service.engine.core import DEFAULT_KV_CACHE_MEMORY, EngineCore
 from service.errors import InvalidRequest
 from service.request import GenerateRequest, RequestOutput, SamplingParams
 from service.tokenizer import ChatTemplateError, Tokenizer

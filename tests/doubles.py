@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from service.runners.base import ForwardBatch
+from service.engine.runners.base import ForwardBatch
 
 
 class FaultyRunner:

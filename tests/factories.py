@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import itertools
 
-from service.block_pool import BlockPool
-from service.config import SchedulerConfig
-from service.kv_cache_manager import KVCacheManager
+from service.engine.block_pool import BlockPool
+from service.engine.config import SchedulerConfig
+from service.engine.kv_cache_manager import KVCacheManager
+from service.engine.scheduler import Scheduler
 from service.request import Request, SamplingParams
-from service.scheduler import Scheduler
 
 _clock = itertools.count()
 _prompt_base = itertools.count(1)

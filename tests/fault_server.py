@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from service import __main__ as service_main
-from service.engine import EngineCore
+from service.engine.core import EngineCore
 from tests.doubles import FaultyRunner
 
 

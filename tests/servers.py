@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.llm.v1 import llm_pb2_grpc
-from service.server import LLMServer, ServerConfig
+from service.api.server import LLMServer, ServerConfig
 
 
 class ServerThread:

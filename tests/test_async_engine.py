@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from service.async_engine import AsyncEngine, AsyncEngineConfig
-from service.engine import EngineCore
+from service.engine.async_engine import AsyncEngine, AsyncEngineConfig
+from service.engine.core import EngineCore
 from service.errors import EngineError, EngineUnavailable, InvalidRequest, QueueFull
 from service.request import GenerateRequest, SamplingParams
 from tests.engines import build_tiny

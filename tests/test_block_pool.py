@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.block_pool import BlockPool
-from service.kv_cache_manager import KVCacheManager, hash_block_tokens
+from service.engine.block_pool import BlockPool
+from service.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
 from tests.factories import make_request
 
 

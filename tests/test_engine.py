@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.engine import EngineCore
+from service.engine.core import EngineCore
 from service.request import GenerateRequest, RequestOutput, SamplingParams
 from tests.engines import build_tiny
 

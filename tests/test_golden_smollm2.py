@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.runners.base import ForwardBatch, SeqChunk
-from service.runners.numpy_runner import NumpyRunner
+from service.engine.runners.base import ForwardBatch, SeqChunk
+from service.engine.runners.numpy_runner import NumpyRunner
 from service.tokenizer import Tokenizer
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2_golden.json").read_text())

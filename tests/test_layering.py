@@ -16,14 +16,17 @@ def _loaded_after(module: str) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "module", ["service.scheduler", "service.kv_cache_manager", "service.block_pool", "service.request"]
+    "module",
+    ["service.engine.scheduler", "service.engine.kv_cache_manager", "service.engine.block_pool", "service.request"],
 )
 def test_scheduling_side_is_pure_python(module: str) -> None:
     loaded = _loaded_after(module)
     assert not {m for m in loaded if m.split(".")[0] in ("numpy", "grpc", "protos")}
 
 
-@pytest.mark.parametrize("module", ["service.engine", "service.async_engine", "service.runners.numpy_runner"])
+@pytest.mark.parametrize(
+    "module", ["service.engine.core", "service.engine.async_engine", "service.engine.runners.numpy_runner"]
+)
 def test_engine_does_not_import_protobuf_or_grpc(module: str) -> None:
     loaded = _loaded_after(module)
     assert not {m for m in loaded if m.split(".")[0] in ("grpc", "protos", "google")}

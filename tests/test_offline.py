@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from service.engine import EngineCore
+from service.engine.core import EngineCore
 from service.request import GenerateRequest, SamplingParams
 
 

@@ -9,9 +9,9 @@ import pytest
 
 from build_engine.builder import build
 from build_engine.tiny import write_tiny_checkpoint
-from service.runners.base import ForwardBatch, SeqChunk
-from service.runners.numpy_runner import NumpyRunner
-from service.runners.paged_attention import HAVE_NUMBA
+from service.engine.runners.base import ForwardBatch, SeqChunk
+from service.engine.runners.numpy_runner import NumpyRunner
+from service.engine.runners.paged_attention import HAVE_NUMBA
 from tests.naive_llama import NaiveLlama
 
 MAX_REL_ERR = 1e-4

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from service.engine.sampler import Sampler, sample_row, token_logprob
 from service.errors import InvalidRequest
 from service.request import Request, SamplingParams
-from service.sampler import Sampler, sample_row, token_logprob
 
 V = 50
 

@@ -262,7 +262,7 @@ def test_overload_gets_resource_exhausted(engine_dir: Path) -> None:
 
 
 def test_health_starts_not_serving_then_serving(engine_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.server import LLMServer
+    from service.api.server import LLMServer
 
     real = LLMServer._warm_up
     release = threading.Event()

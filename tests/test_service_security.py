@@ -82,7 +82,7 @@ def test_mutual_tls(engine_dir: Path, pki: Path) -> None:
 
 
 def test_tls_key_without_cert_is_refused(engine_dir: Path, pki: Path) -> None:
-    from service.server import LLMServer
+    from service.api.server import LLMServer
     from tests.servers import make_config
 
     server = LLMServer(make_config(engine_dir, tls_key=str(pki / "server.key")))

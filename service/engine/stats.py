@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from build_engine.spec import ModelArch
-from service.scheduler_output import SchedulerOutput
+from service.engine.scheduler_output import SchedulerOutput
 
 FP32 = 4
 

@@ -18,13 +18,13 @@ import grpc
 
 from build_engine import spec
 from protos.llm.v1 import llm_pb2
-from service.async_engine import AsyncEngine
+from service.api.metrics import ServiceMetrics
+from service.api.status import status_for
+from service.api.validation import TextLimits, chat_messages, check_fields, parse, prompt_ids
+from service.engine.async_engine import AsyncEngine
 from service.errors import DeadlineExceeded, EngineUnavailable, InvalidRequest, Overloaded, ServerShutdown
-from service.metrics import ServiceMetrics
 from service.request import GenerateRequest, RequestOutput
-from service.status import status_for
 from service.tokenizer import ChatTemplateError, Tokenizer
-from service.validation import TextLimits, chat_messages, check_fields, parse, prompt_ids
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

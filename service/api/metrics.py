@@ -10,9 +10,9 @@ import asyncio
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from service.engine.roofline import Ceilings
+from service.engine.stats import StepStats
 from service.request import RequestOutput
-from service.roofline import Ceilings
-from service.stats import StepStats
 
 # Fine at the low end: decode steps of a small model take a few milliseconds (vllm#55276: a 10 ms smallest
 # bucket makes fast-decode percentiles unrecoverable).

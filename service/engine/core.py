@@ -13,17 +13,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from build_engine.spec import EngineConfig, load_engine_config
-from service.block_pool import BlockPool
-from service.config import SchedulerConfig, kv_blocks_for_budget
-from service.kv_cache_manager import KVCacheManager
+from service.engine.block_pool import BlockPool
+from service.engine.config import SchedulerConfig, kv_blocks_for_budget
+from service.engine.kv_cache_manager import KVCacheManager
+from service.engine.output_processor import OutputProcessor
+from service.engine.runners.base import ForwardBatch
+from service.engine.runners.numpy_runner import NumpyRunner
+from service.engine.sampler import Sampler
+from service.engine.scheduler import Scheduler
+from service.engine.stats import StepCost, StepStats
 from service.limits import RequestLimits, check_request
-from service.output_processor import OutputProcessor
 from service.request import GenerateRequest, Request, RequestOutput, RequestStatus
-from service.runners.base import ForwardBatch
-from service.runners.numpy_runner import NumpyRunner
-from service.sampler import Sampler
-from service.scheduler import Scheduler
-from service.stats import StepCost, StepStats
 from service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

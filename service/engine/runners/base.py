@@ -8,7 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
-from service.scheduler_output import SchedulerOutput
+from service.engine.scheduler_output import SchedulerOutput
 
 
 class ChunkLike(Protocol):

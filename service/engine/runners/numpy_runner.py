@@ -16,9 +16,9 @@ import numpy as np
 from build_engine import spec
 from build_engine.spec import EngineConfig, load_engine_config
 from build_engine.tensor_io import SafetensorsFile
-from service.runners.base import ForwardBatch
-from service.runners.kernels import apply_rope, causal_attention, linear, rms_normalize, rope_tables, silu_mul
-from service.runners.paged_attention import HAVE_NUMBA, DecodeAttention
+from service.engine.runners.base import ForwardBatch
+from service.engine.runners.kernels import apply_rope, causal_attention, linear, rms_normalize, rope_tables, silu_mul
+from service.engine.runners.paged_attention import HAVE_NUMBA, DecodeAttention
 
 logger = logging.getLogger(__name__)
 

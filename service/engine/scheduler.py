@@ -16,10 +16,10 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from service.config import SchedulerConfig
-from service.kv_cache_manager import KVCacheManager
+from service.engine.config import SchedulerConfig
+from service.engine.kv_cache_manager import KVCacheManager
+from service.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from service.request import Request, RequestStatus
-from service.scheduler_output import ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from service.engine import EngineCore
+from service.engine.core import EngineCore
+from service.engine.stats import StepStats
 from service.errors import EngineError, EngineUnavailable, QueueFull
 from service.request import GenerateRequest, RequestOutput
-from service.stats import StepStats
 
 logger = logging.getLogger(__name__)
 

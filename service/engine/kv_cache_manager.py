@@ -6,7 +6,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from service.block_pool import BlockPool, KVBlock
+from service.engine.block_pool import BlockPool, KVBlock
 from service.request import Request
 
 

@@ -19,12 +19,12 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from protos.llm.v1 import llm_pb2
-from service.async_engine import AsyncEngine, AsyncEngineConfig
-from service.engine import DEFAULT_KV_CACHE_MEMORY, EngineCore
-from service.metrics import ServiceMetrics
+from service.api.metrics import ServiceMetrics
+from service.api.servicer import LLMServicer
+from service.engine.async_engine import AsyncEngine, AsyncEngineConfig
+from service.engine.core import DEFAULT_KV_CACHE_MEMORY, EngineCore
+from service.engine.roofline import measure_ceilings
 from service.request import GenerateRequest, SamplingParams
-from service.roofline import measure_ceilings
-from service.servicer import LLMServicer
 
 logger = logging.getLogger(__name__)
 

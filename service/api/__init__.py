@@ -1,0 +1,1 @@
+"""The gRPC edge: server, llm.v1 servicer, validation, status codes, auth, Prometheus metrics."""

@@ -1,0 +1,1 @@
+"""The native engine: scheduler, KV cache manager, block pool, sampler, model runners, EngineCore and AsyncEngine."""
