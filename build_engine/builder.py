@@ -84,6 +84,7 @@ def _write_files(out: Path, source: ModelSource, config: EngineConfig, progress:
         (out / spec.CHAT_TEMPLATE_FILE).write_text(source.chat_template)
     files = sorted(p.name for p in out.iterdir())
     manifest = {
+        "backend": config.backend,
         "format": spec.FORMAT_NAME,
         "format_version": spec.FORMAT_VERSION,
         "files": {

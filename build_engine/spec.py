@@ -186,6 +186,24 @@ def load_engine_config(engine_dir: str | Path, verify: bool = False) -> EngineCo
     return EngineConfig.from_json(config_path.read_text())
 
 
+def engine_backend(engine_dir: str | Path) -> str:
+    """The backend an engine directory was built for: manifest.json's "backend" (every engine since the
+    TensorRT-LLM backend), else config.json's (native engines)."""
+    engine_dir = Path(engine_dir)
+    if not engine_dir.is_dir():
+        raise EngineFormatError(f"engine directory {engine_dir} does not exist")
+    for name in (MANIFEST_FILE, CONFIG_FILE):
+        try:
+            doc = json.loads((engine_dir / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("backend"), str):
+            return doc["backend"]
+    if (engine_dir / CONFIG_FILE).is_file():
+        return "native"
+    raise EngineFormatError(f"{engine_dir} is not an engine directory (no {MANIFEST_FILE} or {CONFIG_FILE})")
+
+
 def verify_manifest(engine_dir: Path) -> None:
     manifest_path = engine_dir / MANIFEST_FILE
     if not manifest_path.is_file():

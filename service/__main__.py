@@ -1,7 +1,7 @@
 """python -m service --engine engines/smollm2-135m --host 127.0.0.1 --port 50051 --metrics-port 9400
 
 Every flag can also be set by an environment variable (LLM_ + the flag in capitals, e.g. LLM_PORT=50051);
-a flag given on the command line wins.
+a flag given on the command line wins. Defaults come from service/config.py, the one place they live.
 """
 
 from __future__ import annotations
@@ -12,17 +12,143 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import dataclass
 
-from service.api.server import LLMServer, ServerConfig
-from service.engine.core import DEFAULT_KV_CACHE_MEMORY
+from service.api.server import LLMServer
+from service.config import BACKENDS, FAILURE_POLICIES, BackendConfig, ServerConfig, get_path, replace_path
 
 logger = logging.getLogger("service")
 
 _BOOL_TRUE = {"1", "true", "yes", "on"}
+DEFAULTS = ServerConfig(backend=BackendConfig(engine_dir=""))
+FATAL_DRAIN_S = 2.0  # after an engine failure, how long the failed streams get to send their statuses
+EXIT_ENGINE_FAILED = 3  # the engine died (on_engine_error=exit): a supervisor should restart the process
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    name: str  # --flag
+    path: str  # where it goes in ServerConfig ("backend.native.kv_cache_memory")
+    help: str
+    type: type = str
+    choices: tuple[str, ...] | None = None
+    negate: bool = False  # a --no-X switch that sets a default-True field to False
+    none_below_zero: bool = False  # -1 means None (off)
+
+
+FLAGS = (
+    Flag("--engine", "backend.engine_dir", "engine directory written by python -m build_engine"),
+    Flag(
+        "--backend",
+        "backend.backend",
+        "auto: the backend the engine directory was built for",
+        choices=("auto", *BACKENDS),
+    ),
+    Flag("--host", "host", "address to bind (0.0.0.0 in containers)"),
+    Flag("--port", "port", "gRPC port (0 picks a free one)", int),
+    Flag("--metrics-port", "metrics_port", "Prometheus port (-1 disables the endpoint)", int, none_below_zero=True),
+    Flag(
+        "--kv-cache-memory",
+        "backend.native.kv_cache_memory",
+        "native KV cache budget: auto (max_batch_size x max_seq_len tokens, capped at 10%% of available memory), "
+        "bytes (512MiB, 2GB) or a fraction of available memory",
+    ),
+    Flag(
+        "--max-queue",
+        "backend.admission.max_queue",
+        "requests accepted but not yet scheduled, at most (beyond: RESOURCE_EXHAUSTED)",
+        int,
+    ),
+    Flag("--max-num-seqs", "backend.max_num_seqs", "sequences per step (None: the engine's max_batch_size)", int),
+    Flag("--max-num-tokens", "backend.max_num_tokens", "tokens per step (None: the engine's max_num_tokens)", int),
+    Flag(
+        "--no-prefix-caching",
+        "backend.prefix_caching",
+        "do not share KV blocks of common prompt prefixes (TensorRT-LLM: KV block reuse)",
+        negate=True,
+    ),
+    Flag("--drain-timeout", "drain_timeout_s", "seconds streams in flight may take to finish after SIGTERM", float),
+    Flag(
+        "--stall-timeout",
+        "backend.admission.stall_timeout_s",
+        "a step running longer than this marks the service unhealthy",
+        float,
+    ),
+    Flag(
+        "--on-engine-error",
+        "backend.admission.on_failure",
+        "after an engine failure (in-flight requests fail either way): exit non-zero so a supervisor restarts the "
+        "process, or recover: rebuild the engine's state and serve again; a stalled step is fatal with exit",
+        choices=FAILURE_POLICIES,
+    ),
+    Flag(
+        "--kv-cache-free-gpu-memory-fraction",
+        "backend.trtllm.kv_cache_free_gpu_memory_fraction",
+        "trtllm: share of the GPU memory left after loading the engine that the KV cache takes",
+        float,
+    ),
+    Flag(
+        "--scheduler-policy",
+        "backend.trtllm.scheduler_policy",
+        "trtllm: guaranteed_no_evict reserves prompt + max_tokens before admitting; max_utilization packs more "
+        "and may pause requests",
+        choices=("guaranteed_no_evict", "max_utilization"),
+    ),
+    Flag(
+        "--no-chunked-context",
+        "backend.trtllm.enable_chunked_context",
+        "trtllm: prefill long prompts in one piece instead of chunks",
+        negate=True,
+    ),
+    Flag("--tls-cert", "tls_cert", "server certificate (PEM); enables TLS"),
+    Flag("--tls-key", "tls_key", "server private key (PEM)"),
+    Flag("--tls-client-ca", "tls_client_ca", "CA (PEM) that client certificates must chain to; enables mutual TLS"),
+    Flag("--auth-token-file", "auth_token_file", "file holding a bearer token every RPC but health must send"),
+    Flag("--max-message-bytes", "max_message_bytes", "largest request or response message", int),
+    Flag(
+        "--max-concurrent-rpcs",
+        "max_concurrent_rpcs",
+        "LLM RPCs in flight at most (beyond: RESOURCE_EXHAUSTED; health and reflection never count)",
+        int,
+    ),
+    Flag("--keepalive-time", "keepalive_time_s", "seconds between server keepalive pings on idle connections", float),
+    Flag(
+        "--keepalive-timeout",
+        "keepalive_timeout_s",
+        "seconds to wait for a keepalive ack before dropping the connection",
+        float,
+    ),
+    Flag("--log-prompts", "log_prompts", "log prompt token ids (off by default: prompts are not logged)", bool),
+    Flag("--no-reflection", "reflection", "disable gRPC server reflection", negate=True),
+    Flag(
+        "--no-measure-ceilings",
+        "measure_ceilings",
+        "skip measuring the machine's GEMM rate and bandwidth at startup (native)",
+        negate=True,
+    ),
+)
 
 
 def _env(flag: str) -> str:
     return "LLM_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _add(p: argparse.ArgumentParser, flag: Flag) -> None:
+    env, dest = _env(flag.name), flag.name.lstrip("-").replace("-", "_")
+    default = get_path(DEFAULTS, flag.path)
+    if flag.negate or flag.type is bool:  # switches: the environment can turn them on too
+        on = os.environ.get(env, "").lower() in _BOOL_TRUE
+        p.add_argument(flag.name, dest=dest, action="store_true", default=on, help=f"{flag.help} [{env}]")
+        return
+    kw: dict = {"type": flag.type, "choices": flag.choices}
+    if flag.path == "backend.engine_dir":
+        kw["required"] = env not in os.environ
+        default = None
+    if env in os.environ:
+        default = flag.type(os.environ[env])
+    elif flag.none_below_zero and default is None:
+        default = -1
+    p.add_argument(flag.name, dest=dest, default=default, help=f"{flag.help} [{env}]", **kw)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,95 +158,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Serve an engine over gRPC (llm.v1.LLMService, grpc.health.v1, reflection) with Prometheus "
         "metrics. Every flag can also be set by the environment variable shown in brackets.",
     )
-
-    def add(flag: str, help: str, **kw) -> None:
-        env = _env(flag)
-        if kw.get("action") == "store_true":
-            kw["default"] = os.environ.get(env, "").lower() in _BOOL_TRUE
-        elif env in os.environ:
-            kw["default"] = kw.get("type", str)(os.environ[env])
-            kw.pop("required", None)
-        p.add_argument(flag, help=f"{help} [{env}]", **kw)
-
-    add("--engine", "engine directory written by python -m build_engine", required=True)
-    add("--backend", "engine backend", choices=["native"], default="native")
-    add("--host", "address to bind (0.0.0.0 in containers)", default="127.0.0.1")
-    add("--port", "gRPC port (0 picks a free one)", type=int, default=50051)
-    add("--metrics-port", "Prometheus port (-1 disables the endpoint)", type=int, default=9400)
-    add(
-        "--kv-cache-memory",
-        "KV cache budget: bytes (512MiB, 2GB) or a fraction of available memory",
-        default=DEFAULT_KV_CACHE_MEMORY,
-    )
-    add(
-        "--max-queue",
-        "requests accepted but not yet scheduled, at most (beyond: RESOURCE_EXHAUSTED)",
-        type=int,
-        default=256,
-    )
-    add("--max-num-seqs", "sequences per step (default: the engine's max_batch_size)", type=int, default=None)
-    add("--max-num-tokens", "tokens per step (default: the engine's max_num_tokens)", type=int, default=None)
-    add("--no-prefix-caching", "do not share KV blocks of common prompt prefixes", action="store_true")
-    add("--drain-timeout", "seconds streams in flight may take to finish after SIGTERM", type=float, default=30.0)
-    add("--stall-timeout", "a step running longer than this marks the service unhealthy", type=float, default=60.0)
-    add(
-        "--on-engine-error",
-        "after an engine failure (in-flight requests fail either way): exit non-zero so a supervisor restarts "
-        "the process, or recover: rebuild the engine's state and serve again; a stalled step is fatal with exit",
-        choices=["exit", "recover"],
-        default="exit",
-    )
-    add("--tls-cert", "server certificate (PEM); enables TLS", default=None)
-    add("--tls-key", "server private key (PEM)", default=None)
-    add("--tls-client-ca", "CA (PEM) that client certificates must chain to; enables mutual TLS", default=None)
-    add("--auth-token-file", "file holding a bearer token every RPC but health must send", default=None)
-    add("--max-message-bytes", "largest request or response message", type=int, default=4 * 1024 * 1024)
-    add("--max-concurrent-rpcs", "RPCs in flight at most (beyond: RESOURCE_EXHAUSTED)", type=int, default=1024)
-    add("--keepalive-time", "seconds between server keepalive pings on idle connections", type=float, default=30.0)
-    add(
-        "--keepalive-timeout",
-        "seconds to wait for a keepalive ack before dropping the connection",
-        type=float,
-        default=10.0,
-    )
-    add("--log-prompts", "log prompt token ids (off by default: prompts are not logged)", action="store_true")
-    add("--no-reflection", "disable gRPC server reflection", action="store_true")
-    add("--no-measure-ceilings", "skip measuring the machine's GEMM rate and bandwidth at startup", action="store_true")
-    add("--log-level", "logging level", default="INFO")
+    for flag in FLAGS:
+        _add(p, flag)
+    p.add_argument("--log-level", default=os.environ.get("LLM_LOG_LEVEL", "INFO"), help="logging level [LLM_LOG_LEVEL]")
     return p.parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(
-        engine_dir=args.engine,
-        host=args.host,
-        port=args.port,
-        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        backend=args.backend,
-        kv_cache_memory=args.kv_cache_memory,
-        max_queue=args.max_queue,
-        max_num_seqs=args.max_num_seqs,
-        max_num_tokens=args.max_num_tokens,
-        prefix_caching=not args.no_prefix_caching,
-        drain_timeout_s=args.drain_timeout,
-        stall_timeout_s=args.stall_timeout,
-        on_engine_error=args.on_engine_error,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca,
-        auth_token_file=args.auth_token_file,
-        max_message_bytes=args.max_message_bytes,
-        max_concurrent_rpcs=args.max_concurrent_rpcs,
-        keepalive_time_s=args.keepalive_time,
-        keepalive_timeout_s=args.keepalive_timeout,
-        log_prompts=args.log_prompts,
-        reflection=not args.no_reflection,
-        measure_ceilings=not args.no_measure_ceilings,
-    )
-
-
-FATAL_DRAIN_S = 2.0  # after an engine failure, how long the failed streams get to send their statuses
-EXIT_ENGINE_FAILED = 3  # the engine died (on_engine_error=exit): a supervisor should restart the process
+    cfg: object = DEFAULTS
+    for flag in FLAGS:
+        value = getattr(args, flag.name.lstrip("-").replace("-", "_"))
+        if flag.negate:
+            value = not value
+        elif flag.none_below_zero and value is not None and value < 0:
+            value = None
+        cfg = replace_path(cfg, flag.path, value)
+    return cfg  # type: ignore[return-value]
 
 
 async def serve(cfg: ServerConfig) -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 
 from service.engine.block_pool import BlockPool
-from service.engine.config import SchedulerConfig
 from service.engine.kv_cache_manager import KVCacheManager
 from service.engine.scheduler import Scheduler
+from service.engine.scheduler_config import SchedulerConfig
 from service.request import Request, SamplingParams
 
 _clock = itertools.count()

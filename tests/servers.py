@@ -11,13 +11,13 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import replace
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.llm.v1 import llm_pb2_grpc
-from service.api.server import LLMServer, ServerConfig
+from service.api.server import LLMServer
+from service.config import BackendConfig, NativeConfig, ServerConfig, replace_path
 
 
 class ServerThread:
@@ -63,17 +63,31 @@ class ServerThread:
         return float(m.group(1))
 
 
+# flat test-friendly names -> where they live in ServerConfig
+_PATHS = {
+    "kv_cache_memory": "backend.native.kv_cache_memory",
+    "max_queue": "backend.admission.max_queue",
+    "stall_timeout_s": "backend.admission.stall_timeout_s",
+    "on_engine_error": "backend.admission.on_failure",
+    "max_num_seqs": "backend.max_num_seqs",
+    "max_num_tokens": "backend.max_num_tokens",
+    "prefix_caching": "backend.prefix_caching",
+    "backend_name": "backend.backend",
+}
+
+
 def make_config(engine_dir, **overrides) -> ServerConfig:
-    base = ServerConfig(
-        engine_dir=str(engine_dir),
+    cfg: object = ServerConfig(
+        backend=BackendConfig(engine_dir=str(engine_dir), native=NativeConfig(kv_cache_memory="256MiB")),
         host="127.0.0.1",
         port=0,
         metrics_port=0,
-        kv_cache_memory="256MiB",
         measure_ceilings=False,
         drain_timeout_s=5,
     )
-    return replace(base, **overrides)
+    for name, value in overrides.items():
+        cfg = replace_path(cfg, _PATHS.get(name, name), value)
+    return cfg  # type: ignore[return-value]
 
 
 @contextlib.contextmanager

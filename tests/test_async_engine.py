@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from service.engine.async_engine import AsyncEngine, AsyncEngineConfig
+from service.config import AdmissionConfig
+from service.engine.async_engine import AsyncEngine
 from service.engine.core import EngineCore
 from service.errors import EngineError, EngineUnavailable, InvalidRequest, QueueFull
 from service.request import GenerateRequest, SamplingParams
@@ -28,7 +29,7 @@ def _gen(rid: str, max_tokens: int = 16, prompt: list[int] | None = None) -> Gen
 
 
 async def _started(engine_dir: Path, blocks: int = 256, **cfg) -> AsyncEngine:
-    engine = AsyncEngine(EngineCore(engine_dir, num_kv_blocks=blocks), AsyncEngineConfig(**cfg))
+    engine = AsyncEngine(EngineCore(engine_dir, num_kv_blocks=blocks), AdmissionConfig(**cfg))
     engine.start()
     return engine
 
@@ -81,7 +82,7 @@ def test_cancellation_storm_frees_everything_within_a_second(engine_dir: Path) -
 def test_queue_bound_rejects_the_overflow(engine_dir: Path) -> None:
     async def main() -> None:
         core = EngineCore(engine_dir, num_kv_blocks=256, max_num_seqs=1)
-        engine = AsyncEngine(core, AsyncEngineConfig(max_queue=8))
+        engine = AsyncEngine(core, AdmissionConfig(max_queue=8))
         engine.start()
         running = engine.generate(_gen("running", 200))
         await running.__anext__()  # it is running (it produced a token)
@@ -134,7 +135,8 @@ def test_step_failure_fails_requests_and_marks_engine_dead(engine_dir: Path) -> 
     async def main() -> None:
         health: list[bool] = []
         core = EngineCore(engine_dir, num_kv_blocks=64)
-        engine = AsyncEngine(core, AsyncEngineConfig(), on_health_change=health.append)
+        engine = AsyncEngine(core, AdmissionConfig())
+        engine.bind(on_health_change=health.append)
         engine.start()
         await _collect(engine, _gen("ok", 3))
 
@@ -159,8 +161,9 @@ def test_watchdog_reports_a_stalled_step(engine_dir: Path) -> None:
         health: list[bool] = []
         fatal: list[str] = []
         core = EngineCore(engine_dir, num_kv_blocks=64)
-        config = AsyncEngineConfig(stall_timeout_s=0.2, on_failure=on_failure)
-        engine = AsyncEngine(core, config, on_health_change=health.append, on_fatal=fatal.append)
+        config = AdmissionConfig(stall_timeout_s=0.2, on_failure=on_failure)
+        engine = AsyncEngine(core, config)
+        engine.bind(health.append, fatal.append)
         engine.start()
         real = core.runner.execute
 

@@ -74,7 +74,7 @@ def _started_streams(stub, n: int, pool: ThreadPoolExecutor):
 
 def test_recover_policy_fails_in_flight_requests_then_serves_again(engine_dir: Path) -> None:
     with running_server(engine_dir, on_engine_error="recover") as srv:
-        core = srv.server.engine.core
+        core = srv.server.backend.core
         faulty = FaultyRunner(core.runner, fail_at_step=40)
         core.runner = faulty
         stub = srv.stub()
@@ -89,7 +89,7 @@ def test_recover_policy_fails_in_flight_requests_then_serves_again(engine_dir: P
             assert time.monotonic() < deadline, "gauges stuck after the failure"
             time.sleep(0.02)
         assert srv.metric("llm_num_requests_waiting") == 0
-        assert srv.server.engine.core is core and core.kv.pool.num_used_blocks == 0
+        assert srv.server.backend.core is core and core.kv.pool.num_used_blocks == 0
         core.scheduler.check_invariants()
         assert _health(srv.channel()) == SERVING and srv.server.fatal is None
         code, _, tokens, _ = _stream(stub, _req(9, max_tokens=20))  # serving again, with the same runner
@@ -98,7 +98,7 @@ def test_recover_policy_fails_in_flight_requests_then_serves_again(engine_dir: P
 
 def test_exit_policy_marks_the_server_fatal(engine_dir: Path) -> None:
     with running_server(engine_dir) as srv:  # exit is the default
-        core = srv.server.engine.core
+        core = srv.server.backend.core
         core.runner = FaultyRunner(core.runner, fail_at_step=30)
         with ThreadPoolExecutor(2) as pool:
             futures = _started_streams(srv.stub(), 2, pool)
@@ -111,7 +111,7 @@ def test_exit_policy_marks_the_server_fatal(engine_dir: Path) -> None:
 
 def test_stall_turns_health_not_serving_and_back_with_recover(engine_dir: Path) -> None:
     with running_server(engine_dir, on_engine_error="recover", stall_timeout_s=1.0) as srv:
-        core = srv.server.engine.core
+        core = srv.server.backend.core
         faulty = FaultyRunner(core.runner, stall_at_step=5, stall_s=3.0)
         core.runner = faulty
         with ThreadPoolExecutor(1) as pool:

@@ -64,7 +64,7 @@ def _health(server: ServerThread, timeout: float = 2.0) -> int:
 
 def _wait_idle(server: ServerThread, within: float = 3.0) -> None:
     deadline = time.monotonic() + within
-    engine = server.server.engine
+    engine = server.server.backend
     while time.monotonic() < deadline:
         core = engine.core
         if not core.scheduler.requests and core.kv.pool.num_used_blocks == 0 and engine.num_in_flight == 0:
@@ -140,7 +140,7 @@ def test_oversized_chat_is_refused_by_size_before_tokenizing(server: ServerThrea
 
 
 def test_slow_tokenization_does_not_block_health(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
-    tokenizer = server.server.engine.core.tokenizer
+    tokenizer = server.server.backend.core.tokenizer
     real = tokenizer.encode
 
     def slow_encode(text: str, add_special_tokens: bool = True) -> list[int]:

@@ -59,10 +59,10 @@ def _collect(stub, req, **kw) -> tuple[list[llm_pb2.Chunk], llm_pb2.Complete]:
 
 def _idle(server: ServerThread, within: float = 1.0) -> bool:
     deadline = time.monotonic() + within
-    core = server.server.engine.core
+    core = server.server.backend.core
     while time.monotonic() < deadline:
         if not core.scheduler.requests and server.metric("llm_kv_cache_blocks_used") == 0:
-            return server.server.engine.num_in_flight == 0 and core.kv.pool.num_used_blocks == 0
+            return server.server.backend.num_in_flight == 0 and core.kv.pool.num_used_blocks == 0
         time.sleep(0.02)
     return False
 
@@ -184,8 +184,8 @@ def test_validation_matrix(server: ServerThread, case: str) -> None:
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
     assert elapsed < 0.05, f"{elapsed * 1e3:.1f} ms"
-    core = server.server.engine.core
-    assert not core.scheduler.requests and server.server.engine.num_in_flight == 0
+    core = server.server.backend.core
+    assert not core.scheduler.requests and server.server.backend.num_in_flight == 0
 
 
 def test_invalid_utf8_and_garbage_bytes(server: ServerThread) -> None:
@@ -336,7 +336,7 @@ def test_metrics_exposition_names(server: ServerThread) -> None:
     ):
         assert name in text, name
     assert 'le="0.0025"' in text  # buckets fine enough for sub-10 ms decode steps
-    assert server.metric("llm_kv_cache_blocks_total") == server.server.engine.core.sched_cfg.num_kv_blocks
+    assert server.metric("llm_kv_cache_blocks_total") == server.server.backend.core.sched_cfg.num_kv_blocks
 
 
 def test_reflection_lists_the_services(server: ServerThread) -> None:
@@ -349,7 +349,7 @@ def test_reflection_lists_the_services(server: ServerThread) -> None:
 
 
 def test_unexpected_error_is_internal_without_details(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = server.server.engine
+    engine = server.server.backend
 
     async def broken(gen):
         raise RuntimeError("/secret/internal/path exploded")
@@ -384,7 +384,7 @@ def test_auth_token_on_every_method_but_health(engine_dir: Path, tmp_path: Path)
 
 def test_engine_failure_reports_unavailable_and_not_serving(engine_dir: Path) -> None:
     with running_server(engine_dir) as srv:
-        core = srv.server.engine.core
+        core = srv.server.backend.core
 
         def broken(batch):
             raise RuntimeError("simulated device fault")

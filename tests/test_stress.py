@@ -43,8 +43,8 @@ def test_abuse_matrix(engine_dir: Path) -> None:
         assert not failed
         refusals = [r.outcome.first_ms for r in results if r.case.expected != grpc.StatusCode.OK]
         assert len(results) > 70 and statistics.median(refusals) < 100  # the bench reports each; CI boxes are noisy
-        core = srv.server.engine.core
-        assert srv.server.engine.num_in_flight == 0 and not core.scheduler.requests
+        core = srv.server.backend.core
+        assert srv.server.backend.num_in_flight == 0 and not core.scheduler.requests
 
 
 def test_seeded_field_level_fuzz(engine_dir: Path) -> None:
@@ -57,7 +57,7 @@ def test_seeded_field_level_fuzz(engine_dir: Path) -> None:
         report, state = asyncio.run(main(srv.target, f"http://127.0.0.1:{srv.server.metrics_port}/metrics"))
         assert report.requests == 300 and not report.findings, report.findings[:5]
         assert report.codes["OK"] and report.codes["INVALID_ARGUMENT"]  # both sides of the edges were reached
-        assert state["llm_kv_cache_blocks_used"] == 0 and srv.server.engine.is_healthy
+        assert state["llm_kv_cache_blocks_used"] == 0 and srv.server.backend.is_healthy
         a, b = iter(Fuzzer(seed=1, vocab=267, max_seq_len=512)), iter(Fuzzer(seed=1, vocab=267, max_seq_len=512))
         assert [next(a) for _ in range(50)] == [next(b) for _ in range(50)]  # same seed, same requests
 

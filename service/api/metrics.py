@@ -1,7 +1,7 @@
 """Prometheus metrics of the service (prometheus-client), one registry per server instance.
 
-Updated from the engine thread after every step (gauges, token counters, per-request histograms) and from
-the servicer when an RPC ends (requests by final status code). Names follow vLLM's, with an `llm_` prefix.
+Updated by the backend as its Observer (service/telemetry.py: engine steps, outputs, gauges) and by the
+servicer when an RPC ends (requests by final status code). Names follow vLLM's, with an `llm_` prefix.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import asyncio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from service.engine.roofline import Ceilings
-from service.engine.stats import StepStats
 from service.request import RequestOutput
+from service.telemetry import BackendStats, StepStats
 
 # Fine at the low end: decode steps of a small model take a few milliseconds (vllm#55276: a 10 ms smallest
 # bucket makes fast-decode percentiles unrecoverable).
@@ -86,11 +86,10 @@ class ServiceMetrics:
             self.machine_gflops.set(ceilings.gemm_gflops)
             self.machine_gbs.set(ceilings.read_gbytes_per_s)
 
-    def on_step(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
-        """Called in the engine thread after every step."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.blocks_used.set(stats.kv_blocks_used)
+    # ---- the backend's Observer (called in the backend's thread) -------------------------------------------
+    def on_step(self, stats: StepStats) -> None:
+        """An engine step (native backend): phase histograms, achieved rates, gauges."""
+        self.on_gauges(BackendStats(stats.num_running, stats.num_waiting, stats.kv_blocks_used, 0))
         if stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
         if stats.num_prefill_tokens and stats.num_decode_tokens:
@@ -100,6 +99,8 @@ class ServiceMetrics:
         self.step_time.labels(phase).observe(stats.forward_ms / 1e3)
         self.step_gflops.labels(phase).set(stats.gflops_per_s)
         self.step_gbs.labels(phase).set(stats.gbytes_per_s)
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
         generated = sum(len(o.new_token_ids) for o in outputs)
         if generated:
             self.generation_tokens.inc(generated)
@@ -107,11 +108,12 @@ class ServiceMetrics:
             if out.finished:
                 self.request_finished(out)
 
-    def on_idle(self, num_used_blocks: int, num_waiting: int, num_running: int) -> None:
-        """Gauges after aborts, when no step ran."""
-        self.blocks_used.set(num_used_blocks)
-        self.waiting.set(num_waiting)
-        self.running.set(num_running)
+    def on_gauges(self, stats: BackendStats) -> None:
+        self.blocks_used.set(stats.kv_blocks_used)
+        self.waiting.set(stats.num_waiting)
+        self.running.set(stats.num_running)
+        if stats.kv_blocks_total:
+            self.blocks_total.set(stats.kv_blocks_total)
 
     def request_finished(self, out: RequestOutput) -> None:
         t = out.timing

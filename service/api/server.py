@@ -1,6 +1,6 @@
 """The gRPC server: LLMService, grpc.health.v1, reflection, Prometheus, auth, TLS, graceful drain.
 
-Lifecycle: bind and serve health (NOT_SERVING) at once; load the engine in a worker thread; run one warm-up
+Lifecycle: bind and serve health (NOT_SERVING) at once; load the backend in a worker thread; run one warm-up
 generation; then SERVING. On drain: NOT_SERVING, stop accepting, let streams in flight finish within the drain
 timeout, stop the engine.
 """
@@ -8,9 +8,7 @@ timeout, stop the engine.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -19,77 +17,18 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from protos.llm.v1 import llm_pb2
+from service.api.interceptors import AuthInterceptor, read_token
 from service.api.metrics import ServiceMetrics
 from service.api.servicer import LLMServicer
-from service.engine.async_engine import AsyncEngine, AsyncEngineConfig
-from service.engine.core import DEFAULT_KV_CACHE_MEMORY, EngineCore
-from service.engine.roofline import measure_ceilings
+from service.backends import load_backend
+from service.backends.base import Backend
+from service.config import ServerConfig
 from service.request import GenerateRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
-HEALTH_METHODS = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 CUT_GRACE_S = 2.0  # after the drain timeout, how long aborted streams get to send their final status
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    engine_dir: str
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0 picks a free port
-    metrics_port: int | None = 9400  # None: no Prometheus endpoint; 0 picks a free port
-    backend: str = "native"
-    kv_cache_memory: str = DEFAULT_KV_CACHE_MEMORY
-    max_queue: int = 256
-    max_num_seqs: int | None = None  # default: the engine's max_batch_size
-    max_num_tokens: int | None = None  # default: the engine's max_num_tokens
-    prefix_caching: bool = True
-    drain_timeout_s: float = 30.0
-    stall_timeout_s: float = 60.0
-    on_engine_error: str = "exit"  # exit: the process exits non-zero (a supervisor restarts it); recover
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None  # require and verify client certificates (mutual TLS)
-    auth_token_file: str | None = None
-    max_message_bytes: int = 4 * 1024 * 1024
-    max_concurrent_rpcs: int = 1024
-    keepalive_time_s: float = 30.0
-    keepalive_timeout_s: float = 10.0
-    log_prompts: bool = False
-    reflection: bool = True
-    measure_ceilings: bool = True
-
-
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Bearer-token auth on every method but health; tokens compared in constant time."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = token.encode()
-
-    def allows(self, authorization: str) -> bool:
-        scheme, _, token = authorization.strip().partition(" ")
-        # NOTE: the auth scheme is case-insensitive (RFC 7235 section 2.1); the token is compared in constant time
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._expected)
-
-    async def intercept_service(self, continuation, handler_call_details):
-        if handler_call_details.method in HEALTH_METHODS:
-            return await continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        if self.allows(str(metadata.get("authorization", ""))):
-            return await continuation(handler_call_details)
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-        return grpc.unary_unary_rpc_method_handler(deny)
-
-
-def _read_token(path: str) -> str:
-    token = Path(path).read_text().strip()
-    if not token:
-        raise ValueError(f"auth token file {path} is empty")
-    return token
 
 
 def _credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
@@ -106,13 +45,11 @@ def _credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
 
 class LLMServer:
     def __init__(self, cfg: ServerConfig) -> None:
-        if cfg.backend != "native":
-            raise ValueError(f"backend {cfg.backend!r} is not available in this build (choose: native)")
         self.cfg = cfg
         self.metrics = ServiceMetrics()
-        self.engine: AsyncEngine | None = None  # set once loaded and warmed up
+        self.backend: Backend | None = None  # set once loaded and warmed up
         self.health = health.aio.HealthServicer()
-        self.servicer = LLMServicer(lambda: self.engine, self.metrics, cfg.max_concurrent_rpcs, cfg.log_prompts)
+        self.servicer = LLMServicer(lambda: self.backend, self.metrics, cfg.max_concurrent_rpcs, cfg.log_prompts)
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
         self.port = 0
@@ -128,7 +65,7 @@ class LLMServer:
         """Bind and start serving (health NOT_SERVING), then load and warm up the engine; returns when ready."""
         cfg = self.cfg
         credentials = _credentials(cfg)
-        interceptors = [AuthInterceptor(_read_token(cfg.auth_token_file))] if cfg.auth_token_file else []
+        interceptors = [AuthInterceptor(read_token(cfg.auth_token_file))] if cfg.auth_token_file else []
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -156,13 +93,13 @@ class LLMServer:
         )
         if self.metrics_port is not None:
             logger.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
-        engine = await asyncio.get_running_loop().run_in_executor(None, self._load_engine)
-        engine.start()
-        await self._warm_up(engine)
-        engine.observe(on_step=self.metrics.on_step, on_idle=self.metrics.on_idle)  # the warm-up is not counted
-        self.engine = engine
-        await self._set_serving(engine.is_healthy)
-        logger.info("ready: %s", SERVICE_NAME)
+        backend = await asyncio.get_running_loop().run_in_executor(None, self._load_backend)
+        backend.start(self._on_health_change, self._on_fatal)
+        await self._warm_up(backend)
+        backend.observe(self.metrics)  # from here on: the warm-up is not counted
+        self.backend = backend
+        await self._set_serving(backend.is_healthy)
+        logger.info("ready: %s (%s backend, model %s)", SERVICE_NAME, backend.info.backend, backend.info.model_name)
 
     def _start_metrics(self) -> None:
         cfg = self.cfg
@@ -200,35 +137,25 @@ class LLMServer:
             names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, server)
 
-    def _load_engine(self) -> AsyncEngine:
-        cfg = self.cfg
-        core = EngineCore(
-            cfg.engine_dir,
-            kv_cache_memory=cfg.kv_cache_memory,
-            enable_prefix_caching=cfg.prefix_caching,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_tokens,
-        )
-        ceilings = measure_ceilings(quick=True) if cfg.measure_ceilings else None
-        if ceilings is not None:
+    def _load_backend(self) -> Backend:
+        """In a worker thread: load the model (slow), measure the machine's ceilings."""
+        backend = load_backend(self.cfg.backend)
+        ceilings = None
+        if self.cfg.measure_ceilings and backend.info.backend == "native":
+            from service.engine.roofline import measure_ceilings
+
+            ceilings = measure_ceilings(quick=True)
             logger.info(
                 "machine: %.0f GFLOP/s fp32 GEMM, %.1f GB/s read", ceilings.gemm_gflops, ceilings.read_gbytes_per_s
             )
-        self.metrics.set_static(core.sched_cfg.num_kv_blocks, ceilings)
-        return AsyncEngine(
-            core,
-            AsyncEngineConfig(
-                max_queue=cfg.max_queue, stall_timeout_s=cfg.stall_timeout_s, on_failure=cfg.on_engine_error
-            ),
-            on_health_change=self._on_health_change,
-            on_fatal=self._on_fatal,
-        )
+        self.metrics.set_static(backend.info.num_kv_blocks, ceilings)
+        return backend
 
-    async def _warm_up(self, engine: AsyncEngine) -> None:
-        """One real generation: pages the weights in, compiles kernels, proves the engine produces tokens."""
-        prompt = engine.core.tokenizer.encode("Hello") or [0]
+    async def _warm_up(self, backend: Backend) -> None:
+        """One real generation: pages the weights in, compiles kernels, proves the backend produces tokens."""
+        prompt = backend.tokenizer.encode("Hello") or [0]
         gen = GenerateRequest("warmup", prompt, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
-        async for _ in engine.generate(gen):
+        async for _ in backend.generate(gen):
             pass
         logger.info("warm-up generation done")
 
@@ -255,8 +182,8 @@ class LLMServer:
         timeout = self.cfg.drain_timeout_s if timeout is None else timeout
         self._draining = True
         await self.health.enter_graceful_shutdown()
-        if self.engine is not None:
-            self.engine.stop_accepting()
+        if self.backend is not None:
+            self.backend.stop_accepting()
         self.servicer.draining = True  # every new LLMService RPC now gets UNAVAILABLE
         # NOTE: server.stop(grace) would also wait out health Watch streams, which never end; so wait for the
         # Generate streams in flight only, then stop with no grace (one stop() call: concurrent calls crash grpc).
@@ -267,15 +194,15 @@ class LLMServer:
         if self.servicer.num_active:  # the drain timeout: end what still runs, with a status that says so
             logger.warning("drain timeout: ending %d RPCs still in flight", self.servicer.num_active)
             self.servicer.cut = True
-            if self.engine is not None:
-                self.engine.abort_all()
+            if self.backend is not None:
+                self.backend.abort_all()
             cut_deadline = loop.time() + CUT_GRACE_S
             while self.servicer.num_active and loop.time() < cut_deadline:
                 await asyncio.sleep(0.01)
         if self._server is not None:
             await self._server.stop(0)
-        if self.engine is not None:  # a dead engine's thread may be stuck in a stalled step: do not wait long
-            await self.engine.shutdown(timeout=0.5 if self.fatal else 5.0)
+        if self.backend is not None:  # a dead engine's thread may be stuck in a stalled step: do not wait long
+            await self.backend.shutdown(timeout=0.5 if self.fatal else 5.0)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         self.servicer.close()

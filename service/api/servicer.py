@@ -16,12 +16,11 @@ from typing import TypeVar
 
 import grpc
 
-from build_engine import spec
 from protos.llm.v1 import llm_pb2
 from service.api.metrics import ServiceMetrics
 from service.api.status import status_for
 from service.api.validation import TextLimits, chat_messages, check_fields, parse, prompt_ids
-from service.engine.async_engine import AsyncEngine
+from service.backends.base import Backend, BackendInfo
 from service.errors import DeadlineExceeded, EngineUnavailable, InvalidRequest, Overloaded, ServerShutdown
 from service.request import GenerateRequest, RequestOutput
 from service.tokenizer import ChatTemplateError, Tokenizer
@@ -74,12 +73,12 @@ def _complete(request_id: str, out: RequestOutput, completion_tokens: int) -> ll
 class LLMServicer:
     def __init__(
         self,
-        engine_getter: Callable[[], AsyncEngine | None],
+        backend_getter: Callable[[], Backend | None],
         metrics: ServiceMetrics,
         max_active_rpcs: int = 1024,
         log_prompts: bool = False,
     ) -> None:
-        self._engine = engine_getter  # None until the engine has loaded and warmed up
+        self._backend = backend_getter  # None until the backend has loaded and warmed up
         self.metrics = metrics
         self.max_active_rpcs = max_active_rpcs  # LLM RPCs in flight at most; health and reflection never count
         self.log_prompts = log_prompts
@@ -103,23 +102,22 @@ class LLMServicer:
         finally:
             self.num_active -= 1
 
-    def _ready(self) -> AsyncEngine:
+    def _ready(self) -> Backend:
         if self.draining:
             raise EngineUnavailable("the server is shutting down")
-        engine = self._engine()
-        if engine is None:
+        backend = self._backend()
+        if backend is None:
             raise EngineUnavailable("the engine is still loading")
-        return engine
+        return backend
 
     async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _to_domain(self, req: llm_pb2.GenerateRequest, engine: AsyncEngine) -> GenerateRequest:
+    async def _to_domain(self, req: llm_pb2.GenerateRequest, backend: Backend) -> GenerateRequest:
         request_id, sampling = check_fields(req)  # cheap checks first
-        engine.check_capacity()  # do not tokenize what the queue would refuse anyway
-        core = engine.core
-        limits = TextLimits.for_model(core.tokenizer, core.sched_cfg.max_seq_len)
-        ids = await self._off_loop(prompt_ids, req, core.tokenizer, limits)
+        backend.check_capacity()  # do not tokenize what the queue would refuse anyway
+        limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
+        ids = await self._off_loop(prompt_ids, req, backend.tokenizer, limits)
         return GenerateRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling, priority=req.priority)
 
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateResponse]:
@@ -130,14 +128,14 @@ class LLMServicer:
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
             with self._slot():
-                engine = self._ready()
-                gen = await self._to_domain(parse(llm_pb2.GenerateRequest, raw), engine)
+                backend = self._ready()
+                gen = await self._to_domain(parse(llm_pb2.GenerateRequest, raw), backend)
                 request_id = gen.request_id
                 if deadline is not None and time.monotonic() >= deadline:
                     raise DeadlineExceeded("the deadline had passed before the request was queued")
                 if self.log_prompts:
                     logger.info("request %s prompt ids %s", request_id, gen.prompt_token_ids)
-                async for out in engine.generate(gen):
+                async for out in backend.generate(gen):
                     if out.new_token_ids or out.new_text:
                         sent += len(out.new_token_ids)
                         yield _chunk(out)
@@ -159,10 +157,10 @@ class LLMServicer:
     async def Tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.TokenizeResponse:
         try:
             with self._slot():
-                core = self._ready().core
+                backend = self._ready()
                 req = parse(llm_pb2.TokenizeRequest, raw)
-                limits = TextLimits.for_model(core.tokenizer, core.sched_cfg.max_seq_len)
-                return await self._off_loop(tokenize, req, core.tokenizer, limits)
+                limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
+                return await self._off_loop(tokenize, req, backend.tokenizer, limits)
         except Exception as exc:
             code, message = status_for(exc, None)
             await context.abort(code, message)
@@ -170,9 +168,9 @@ class LLMServicer:
     async def GetModelInfo(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.ModelInfo:
         try:
             with self._slot():
-                engine = self._ready()
+                backend = self._ready()
                 parse(llm_pb2.GetModelInfoRequest, raw)
-                return model_info(engine, self.max_active_rpcs)
+                return model_info(backend, self.max_active_rpcs)
         except Exception as exc:
             code, message = status_for(exc, None)
             await context.abort(code, message)
@@ -207,29 +205,29 @@ def tokenize(req: llm_pb2.TokenizeRequest, tokenizer: Tokenizer, limits: TextLim
     return llm_pb2.TokenizeResponse(token_ids=ids, tokens=tokens, rendered=rendered)
 
 
-def model_info(engine: AsyncEngine, max_concurrent_rpcs: int) -> llm_pb2.ModelInfo:
-    core = engine.core
-    cfg, arch, sched = core.config, core.config.arch, core.sched_cfg
+def model_info(backend: Backend, max_concurrent_rpcs: int) -> llm_pb2.ModelInfo:
+    i: BackendInfo = backend.info
     return llm_pb2.ModelInfo(
-        model_name=cfg.model_name,
-        backend=cfg.backend,
-        architecture=arch.architecture,
-        vocab_size=arch.vocab_size,
-        max_seq_len=sched.max_seq_len,
-        max_batch_size=sched.max_num_seqs,
-        max_num_tokens=sched.max_num_batched_tokens,
-        kv_block_size=sched.block_size,
-        num_kv_blocks=sched.num_kv_blocks,
-        dtype=cfg.limits.dtype,
-        prefix_caching=sched.enable_prefix_caching,
-        eos_token_ids=list(cfg.tokenizer.eos_token_ids),
-        has_chat_template=core.tokenizer.chat_template is not None,
-        max_queue=engine.config.max_queue,
-        num_layers=arch.num_hidden_layers,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_key_value_heads,
-        engine_format_version=spec.FORMAT_VERSION,
-        max_text_bytes=TextLimits.for_model(core.tokenizer, sched.max_seq_len).max_text_bytes,
+        model_name=i.model_name,
+        backend=i.backend,
+        architecture=i.architecture,
+        vocab_size=i.vocab_size,
+        max_seq_len=i.max_seq_len,
+        max_batch_size=i.max_batch_size,
+        max_num_tokens=i.max_num_tokens,
+        kv_block_size=i.kv_block_size,
+        num_kv_blocks=i.num_kv_blocks,
+        dtype=i.dtype,
+        weight_format=i.weight_format,
+        prefix_caching=i.prefix_caching,
+        eos_token_ids=list(i.eos_token_ids),
+        has_chat_template=backend.tokenizer.chat_template is not None,
+        max_queue=i.max_queue,
+        num_layers=i.num_layers,
+        hidden_size=i.hidden_size,
+        num_attention_heads=i.num_attention_heads,
+        num_key_value_heads=i.num_key_value_heads,
+        engine_format_version=i.engine_format_version,
+        max_text_bytes=TextLimits.for_model(backend.tokenizer, i.max_seq_len).max_text_bytes,
         max_concurrent_rpcs=max_concurrent_rpcs,
     )

@@ -13,22 +13,24 @@ from collections.abc import Callable
 from pathlib import Path
 
 from build_engine.spec import EngineConfig, load_engine_config
+from service.config import NativeConfig
 from service.engine.block_pool import BlockPool
-from service.engine.config import SchedulerConfig, kv_blocks_for_budget
 from service.engine.kv_cache_manager import KVCacheManager
 from service.engine.output_processor import OutputProcessor
 from service.engine.runners.base import ForwardBatch
 from service.engine.runners.numpy_runner import NumpyRunner
 from service.engine.sampler import Sampler
 from service.engine.scheduler import Scheduler
-from service.engine.stats import StepCost, StepStats
+from service.engine.scheduler_config import SchedulerConfig, kv_blocks_for_budget
+from service.engine.stats import StepCost
 from service.limits import RequestLimits, check_request
 from service.request import GenerateRequest, Request, RequestOutput, RequestStatus
+from service.telemetry import BackendStats, StepStats
 from service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_MEMORY = "auto"  # what the limits need, capped (service/config.py kv_blocks_for_budget)
+DEFAULT_KV_CACHE_MEMORY = NativeConfig().kv_cache_memory  # the one default, in service/config.py
 
 
 class EngineCore:
@@ -117,6 +119,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> BackendStats:
+        sched = self.scheduler
+        return BackendStats(sched.num_running, sched.num_waiting, self.kv.pool.num_used_blocks, sched.cfg.num_kv_blocks)
 
     # ---- one step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

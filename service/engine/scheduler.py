@@ -16,8 +16,8 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 
-from service.engine.config import SchedulerConfig
 from service.engine.kv_cache_manager import KVCacheManager
+from service.engine.scheduler_config import SchedulerConfig
 from service.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from service.request import Request, RequestStatus
 

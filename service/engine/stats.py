@@ -1,38 +1,11 @@
-"""Per-step statistics, with the FLOPs and bytes a step had to move counted from the model's shapes."""
+"""The FLOPs and bytes an engine step has to move, counted from the model's shapes (for StepStats)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from build_engine.spec import ModelArch
 from service.engine.scheduler_output import SchedulerOutput
 
 FP32 = 4
-
-
-@dataclass(frozen=True, slots=True)
-class StepStats:
-    step: int  # index of the step since start
-    num_seqs: int  # sequences in the batch
-    num_prefill_tokens: int  # prompt / recompute tokens
-    num_decode_tokens: int  # generated-token steps
-    num_sampled: int  # tokens that came out
-    step_ms: float  # wall time of schedule + forward + sample + outputs
-    forward_ms: float  # wall time of the forward pass alone
-    flops: float  # matmul + attention + LM head FLOPs the step needed
-    bytes_moved: float  # weights + KV read + KV written
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    num_preempted: int  # preemptions during this step's scheduling
-
-    @property
-    def gflops_per_s(self) -> float:
-        return self.flops / (self.forward_ms * 1e6) if self.forward_ms else 0.0
-
-    @property
-    def gbytes_per_s(self) -> float:
-        return self.bytes_moved / (self.forward_ms * 1e6) if self.forward_ms else 0.0
 
 
 class StepCost:

@@ -1,0 +1,33 @@
+"""Backends behind the service: native (our engine), trtllm (TensorRT-LLM Executor), triton (a Triton server).
+
+TensorRT-LLM and tritonclient are imported only inside their backends, so the native path never needs them.
+"""
+
+from __future__ import annotations
+
+from build_engine.spec import engine_backend
+from service.backends.base import Backend
+from service.config import BackendConfig
+
+
+def resolve(cfg: BackendConfig) -> str:
+    """The backend to run: the flag's, or (auto) the one the engine directory was built for."""
+    return engine_backend(cfg.engine_dir) if cfg.backend == "auto" else cfg.backend
+
+
+def load_backend(cfg: BackendConfig) -> Backend:
+    """Load the model (slow: call it in a worker thread). Raises ValueError/OSError with one clear line."""
+    name = resolve(cfg)
+    if name == "native":
+        from service.backends.native import NativeBackend
+
+        return NativeBackend(cfg)
+    if name == "trtllm":
+        from service.backends.trtllm import TrtllmBackend
+
+        return TrtllmBackend(cfg)
+    if name == "triton":
+        from service.backends.triton import TritonBackend
+
+        return TritonBackend(cfg)
+    raise ValueError(f"unknown backend {name!r}")

@@ -1,0 +1,92 @@
+"""The backend seam: what the gRPC edge needs from whatever runs the model.
+
+TensorRT-LLM's Executor and a Triton server schedule, batch and page the KV cache themselves, so the seam is
+at the request level, not at the model runner: a backend takes a checked GenerateRequest and returns an async
+stream of RequestOutput deltas (token ids, text, and on the last one the finish reason, usage and Timing),
+keyed by ids of its own. Everything below this line is backend-specific; everything above (validation,
+status codes, metrics, auth, drain) is shared. Admission, health and the failure policy are implemented
+once, in service/runtime.py, which the backends build on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from service.limits import RequestLimits
+from service.request import GenerateRequest, RequestOutput
+from service.telemetry import BackendStats, Observer
+from service.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    """The model and the limits requests must respect (GetModelInfo, the Triton front door's configs)."""
+
+    backend: str  # native | trtllm | triton
+    model_name: str
+    architecture: str  # as Hugging Face names it
+    vocab_size: int
+    max_seq_len: int  # prompt + generated tokens of one request
+    max_batch_size: int  # sequences per step
+    max_num_tokens: int  # tokens per step
+    kv_block_size: int  # tokens per KV block
+    num_kv_blocks: int  # blocks in the pool (0: not known to us)
+    dtype: str  # activation dtype
+    weight_format: str  # how the weights are stored (float32, q4_1, int8 weight-only, ...)
+    prefix_caching: bool
+    eos_token_ids: tuple[int, ...]
+    max_queue: int
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    engine_format_version: int
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.vocab_size, self.max_seq_len, self.kv_block_size or None, self.num_kv_blocks or None)
+
+
+class Backend(Protocol):
+    """One model behind the service (native engine, TensorRT-LLM Executor, Triton server)."""
+
+    info: BackendInfo
+    tokenizer: Tokenizer  # the engine's tokenizer: prompts are tokenized, and outputs detokenized, by us
+
+    def start(self, on_health_change: Callable[[bool], None], on_fatal: Callable[[str], None]) -> None:
+        """Start serving (called in the event loop, after the slow load happened in a worker thread)."""
+
+    def generate(self, gen: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Admit a request (raising InvalidRequest, QueueFull or EngineUnavailable at once) and stream its
+        outputs; closing the stream early aborts the request. Outputs carry the backend's own request id."""
+
+    def abort(self, req_id: str) -> None:
+        """Abort one request by the backend's id, in any state; idempotent."""
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (the drain timeout)."""
+
+    def check_capacity(self) -> None:
+        """Raise EngineUnavailable or QueueFull if a new request would be refused now (cheap)."""
+
+    @property
+    def is_healthy(self) -> bool:
+        """Serving and making progress."""
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests whose streams are open."""
+
+    def stats(self) -> BackendStats:
+        """Gauges: running and waiting requests, KV blocks used and total."""
+
+    def observe(self, observer: Observer | None) -> None:
+        """Attach the telemetry observer (the service's metrics)."""
+
+    def stop_accepting(self) -> None:
+        """New requests get EngineUnavailable; requests in flight continue (graceful drain)."""
+
+    async def shutdown(self, timeout: float) -> None:
+        """Abort what is still in flight and release the model (threads, executor, connections)."""

@@ -1,0 +1,102 @@
+"""Configuration of the server and its backends: every default lives here, once (a leaf module).
+
+The command line (`service/__main__.py`) builds its flags from these dataclasses, so a flag's default, its
+`--help` and the value tests get without flags are the same thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+BACKENDS = ("native", "trtllm", "triton")
+FAILURE_POLICIES = ("exit", "recover")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Admission, health and the failure policy: the same for every backend (the seam owns them)."""
+
+    max_queue: int = 256  # requests accepted but not yet scheduled; beyond it RESOURCE_EXHAUSTED
+    stall_timeout_s: float = 60.0  # a step (or a backend call) running longer marks the backend unhealthy
+    # after a failure that ends every request in flight: "exit" marks the backend dead and the server exits
+    # non-zero so a supervisor restarts it (a stalled step is fatal too); "recover" rebuilds the backend's
+    # state and serves again
+    on_failure: str = "exit"
+    idle_wait_s: float = 0.05  # how long an idle engine loop sleeps between checks
+
+    def __post_init__(self) -> None:
+        if self.on_failure not in FAILURE_POLICIES:
+            raise ValueError(f"on_failure must be one of {FAILURE_POLICIES}, got {self.on_failure!r}")
+        if self.max_queue < 1 or self.stall_timeout_s <= 0:
+            raise ValueError("max_queue must be >= 1 and stall_timeout_s > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class NativeConfig:
+    kv_cache_memory: str = "auto"  # auto (from the engine's limits, capped), bytes (512MiB) or a fraction
+
+
+@dataclass(frozen=True, slots=True)
+class TrtllmConfig:
+    kv_cache_free_gpu_memory_fraction: float = 0.9  # of the GPU memory left after the weights (TensorRT-LLM's)
+    scheduler_policy: str = "guaranteed_no_evict"  # or max_utilization (may pause requests)
+    enable_chunked_context: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class TritonConfig:
+    url: str = ""  # HOST:PORT of a Triton server's gRPC endpoint
+    model: str = "tensorrt_llm"  # tensorrt_llm (token ids in and out) or ensemble (text)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendConfig:
+    engine_dir: str  # engine directory (for the triton backend: the one its model repository was built from)
+    backend: str = "auto"  # auto: the backend the engine directory was built for
+    prefix_caching: bool = True  # share KV blocks of common prompt prefixes (TensorRT-LLM: KV block reuse)
+    max_num_seqs: int | None = None  # sequences per step; None: the engine's max_batch_size
+    max_num_tokens: int | None = None  # tokens per step; None: the engine's max_num_tokens
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    native: NativeConfig = field(default_factory=NativeConfig)
+    trtllm: TrtllmConfig = field(default_factory=TrtllmConfig)
+    triton: TritonConfig = field(default_factory=TritonConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", *BACKENDS):
+            raise ValueError(f"backend must be auto or one of {BACKENDS}, got {self.backend!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    backend: BackendConfig
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 picks a free port
+    metrics_port: int | None = 9400  # None: no Prometheus endpoint; 0 picks a free port
+    triton_port: int | None = None  # a Triton (KServe v2) front door on this port; None: off
+    drain_timeout_s: float = 30.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # require and verify client certificates (mutual TLS)
+    auth_token_file: str | None = None
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_concurrent_rpcs: int = 1024  # LLM RPCs in flight at most (health and reflection never count)
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+    log_prompts: bool = False
+    reflection: bool = True
+    measure_ceilings: bool = True
+
+
+def replace_path(cfg: object, path: str, value: object) -> object:
+    """A copy of a nested frozen config with `path` (e.g. "backend.native.kv_cache_memory") set to `value`."""
+    head, _, rest = path.partition(".")
+    if not rest:
+        return dataclasses.replace(cfg, **{head: value})
+    return dataclasses.replace(cfg, **{head: replace_path(getattr(cfg, head), rest, value)})
+
+
+def get_path(cfg: object, path: str) -> object:
+    for part in path.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
