@@ -1,4 +1,5 @@
-"""Build a native engine directory: resolve the model input, convert, write atomically."""
+"""Build an engine directory (native or TensorRT-LLM) or a Hugging Face export: resolve the model input,
+convert, write atomically, skip when the identical engine is already there."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from safetensors.numpy import save_file
 from build_engine import spec
 from build_engine.convert import engine_tensors
 from build_engine.gguf_source import load_gguf, smollm2_gguf_path
+from build_engine.hf_export import export_hf
 from build_engine.hf_source import load_hf_dir
 from build_engine.source import BuildError, ModelSource, check_tensors
-from build_engine.spec import BuildLimits, EngineConfig, EngineFormatError, TokenizerIds
+from build_engine.spec import BACKEND_DTYPES, BuildLimits, EngineConfig, EngineFormatError, TokenizerIds
 from build_engine.tiny import write_tiny_checkpoint
+from build_engine.trtllm_builder import TrtllmOptions, build_trtllm, preflight
 
 NAMED_MODELS = ("smollm2-135m", "tiny-random")
 
@@ -71,52 +74,90 @@ def _engine_config(source: ModelSource, limit_args: dict[str, Any]) -> EngineCon
     return EngineConfig(model_name=source.name, arch=source.arch, limits=limits, tokenizer=ids, source=source.info)
 
 
-def _write_files(out: Path, source: ModelSource, config: EngineConfig, progress: bool) -> None:
-    tensors = dict(engine_tensors(source, progress=progress))
-    save_file(tensors, str(out / spec.WEIGHTS_FILE), metadata={"format": spec.FORMAT_NAME})
-    os.chmod(out / spec.WEIGHTS_FILE, 0o644)  # safetensors creates it owner-only
-    del tensors
-    (out / spec.CONFIG_FILE).write_text(config.to_json())
-    (out / spec.TOKENIZER_FILE).write_text(source.tokenizer_json)
-    tok_cfg = dataclasses.asdict(source.special_tokens)
-    (out / spec.TOKENIZER_CONFIG_FILE).write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
-    if source.chat_template:
-        (out / spec.CHAT_TEMPLATE_FILE).write_text(source.chat_template)
-    files = sorted(p.name for p in out.iterdir())
-    manifest = {
-        "backend": config.backend,
-        "format": spec.FORMAT_NAME,
-        "format_version": spec.FORMAT_VERSION,
-        "files": {
-            name: {"bytes": (out / name).stat().st_size, "sha256": spec.sha256_file(out / name)} for name in files
-        },
-    }
-    (out / spec.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class BuildResult:
     config: EngineConfig
     skipped: bool  # an identical engine was already at the output: nothing was written
 
 
-def is_current(output: Path, config: EngineConfig) -> bool:
-    """True when `output` holds an intact engine with exactly this config (same input checksum, same settings).
+def _manifest(out: Path, config: EngineConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    files = sorted(p.name for p in out.iterdir() if p.is_file() and p.name != spec.MANIFEST_FILE)
+    return {
+        "backend": config.backend,
+        "format": spec.FORMAT_NAME,
+        "format_version": spec.FORMAT_VERSION,
+        **extra,
+        "files": {
+            name: {"bytes": (out / name).stat().st_size, "sha256": spec.sha256_file(out / name)} for name in files
+        },
+    }
 
-    Builds are deterministic (same input and settings give byte-identical files), so an equal config.json whose
-    files all match the manifest is the engine this build would write.
+
+def _write_manifest(out: Path, config: EngineConfig, extra: dict[str, Any] | None = None) -> None:
+    manifest = _manifest(out, config, extra or {})
+    (out / spec.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def _identity(engine_dir: Path) -> dict[str, Any] | None:
+    """What decides whether an existing engine is the one a build would write: its config (input checksum,
+    limits, tokenizer ids) and the backend's own build settings."""
+    manifest = json.loads((engine_dir / spec.MANIFEST_FILE).read_text())
+    if manifest.get("backend", "native") == "native":
+        return {"engine": json.loads((engine_dir / spec.CONFIG_FILE).read_text())}
+    return {"engine": manifest.get("engine"), "settings": manifest.get("settings")}
+
+
+def is_current(output: Path, config: EngineConfig, settings: dict[str, Any] | None = None) -> bool:
+    """True when `output` holds an intact engine built from the same input with the same settings.
+
+    Native builds are deterministic (byte-identical files); for every backend an equal identity whose files all
+    match the manifest's checksums is the engine this build would write.
     """
+    want = {"engine": json.loads(config.to_json())}
+    if config.backend != "native":
+        want["settings"] = settings
     try:
-        same = (output / spec.CONFIG_FILE).read_text() == config.to_json()
-        return same and spec.verify_manifest(output) is None
+        return _identity(output) == want and spec.verify_manifest(output) is None
     except (OSError, EngineFormatError, ValueError, KeyError):
         return False
 
 
+def _write_files(out: Path, source: ModelSource, config: EngineConfig, progress: bool) -> None:
+    tensors = dict(engine_tensors(source, progress=progress))
+    save_file(tensors, str(out / spec.WEIGHTS_FILE), metadata={"format": spec.FORMAT_NAME})
+    os.chmod(out / spec.WEIGHTS_FILE, 0o644)  # safetensors creates it owner-only
+    del tensors
+    (out / spec.CONFIG_FILE).write_text(config.to_json())
+    _write_tokenizer(out, source)
+    _write_manifest(out, config)
+
+
+def _write_tokenizer(out: Path, source: ModelSource) -> None:
+    (out / spec.TOKENIZER_FILE).write_text(source.tokenizer_json)
+    tok_cfg = dataclasses.asdict(source.special_tokens)
+    (out / spec.TOKENIZER_CONFIG_FILE).write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
+    if source.chat_template:
+        (out / spec.CHAT_TEMPLATE_FILE).write_text(source.chat_template)
+
+
+def _write_trtllm(out: Path, source: ModelSource, config: EngineConfig, options: TrtllmOptions) -> None:
+    built = build_trtllm(source, config, options, out)
+    _write_tokenizer(out, source)
+    extra = {"engine": json.loads(config.to_json()), "settings": dataclasses.asdict(options), "built": built}
+    _write_manifest(out, config, extra)
+
+
 def build(
-    model: str, output: str | Path, limits: dict[str, Any] | None = None, force: bool = False, progress: bool = True
+    model: str,
+    output: str | Path,
+    limits: dict[str, Any] | None = None,
+    force: bool = False,
+    progress: bool = True,
+    backend: str = "native",
+    trtllm: TrtllmOptions | None = None,
 ) -> BuildResult:
-    """Build a native engine for `model` into `output`; nothing is left behind at `output` on failure.
+    """Build an engine for `model` into `output` (backend native or trtllm); nothing is left behind at `output`
+    on failure.
 
     `limits` holds BuildLimits fields (max_batch_size, max_num_tokens, max_seq_len, kv_block_size, dtype);
     missing or None ones take their defaults, max_seq_len the model's max_position_embeddings. An engine already
@@ -124,28 +165,66 @@ def build(
     and replaced with force=True.
     """
     output = Path(output)
-    if output.exists() and not output.is_dir():
-        raise BuildError(f"output {output} exists and is not a directory")
-    output.parent.mkdir(parents=True, exist_ok=True)
+    if backend == "trtllm":
+        preflight()  # one line and nothing written when TensorRT-LLM or the GPU is missing
+        trtllm = trtllm or TrtllmOptions()
+        limits = {**(limits or {}), "dtype": trtllm.dtype}
+    elif backend != "native":
+        raise BuildError(f"unknown backend {backend!r} (choose native or trtllm)")
+    _check_output(output)
     with resolve_model(model) as source:
         check_tensors(source)
-        config = _engine_config(source, limits or {})
+        config = dataclasses.replace(_engine_config(source, limits or {}), backend=backend)
+        if config.limits.dtype not in BACKEND_DTYPES[backend]:
+            raise BuildError(f"--dtype {config.limits.dtype} is not a {backend} dtype (choose from "
+                             f"{', '.join(BACKEND_DTYPES[backend])})")  # fmt: skip
+        settings = dataclasses.asdict(trtllm) if trtllm is not None else None
         if output.exists() and not force:
-            if is_current(output, config):
+            if is_current(output, config, settings):
                 return BuildResult(config, skipped=True)
             raise BuildError(
                 f"output directory {output} already holds a different engine (other input or settings, or "
                 "damaged); use --force to replace it"
             )
-        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the engine is read by other users (containers)
-        try:
-            _write_files(tmp, source, config, progress)
-            _replace_dir(tmp, output)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        def write(tmp: Path) -> None:
+            if backend == "trtllm":
+                _write_trtllm(tmp, source, config, trtllm)
+            else:
+                _write_files(tmp, source, config, progress)
+
+        _atomically(output, write)
     return BuildResult(config, skipped=False)
+
+
+def export(model: str, output: str | Path, dtype: str = "float32", force: bool = False) -> ModelSource:
+    """Export `model` as a Hugging Face checkpoint directory (python -m build_engine --format hf)."""
+    output = Path(output)
+    _check_output(output)
+    if output.exists() and any(output.iterdir()) and not force:
+        raise BuildError(f"output directory {output} is not empty (use --force to replace it)")
+    with resolve_model(model) as source:
+        check_tensors(source)
+        _atomically(output, lambda tmp: export_hf(source, tmp, dtype))
+    return source
+
+
+def _check_output(output: Path) -> None:
+    if output.exists() and not output.is_dir():
+        raise BuildError(f"output {output} exists and is not a directory")
+    output.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _atomically(output: Path, write) -> None:
+    """Write into a temporary directory next to `output`, then swap it in; nothing is left behind on failure."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the engine is read by other users (containers)
+    try:
+        write(tmp)
+        _replace_dir(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _replace_dir(new: Path, target: Path) -> None:

@@ -33,7 +33,8 @@ from build_engine.source import (
 )
 
 
-def _checked(source: ModelSource, name: str, shapes: dict[str, tuple[int, ...]]) -> np.ndarray:
+def checked_tensor(source: ModelSource, name: str, shapes: dict[str, tuple[int, ...]]) -> np.ndarray:
+    """A tensor of the source as float32, with the shape the config implies and only finite values."""
     w = np.asarray(source.get_tensor(name), dtype=np.float32)
     if w.shape != shapes[name]:
         raise BuildError(f"tensor {name} has shape {list(w.shape)}, expected {list(shapes[name])} from the config")
@@ -44,7 +45,7 @@ def _checked(source: ModelSource, name: str, shapes: dict[str, tuple[int, ...]])
 
 def _layer(source: ModelSource, i: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     n = layer_tensor_names(i)
-    get = {key: _checked(source, name, shapes) for key, name in n.items()}
+    get = {key: checked_tensor(source, name, shapes) for key, name in n.items()}
     q_scale = np.float32(1.0 / np.sqrt(source.arch.head_dim))
     qkv = np.concatenate([get["q"] * q_scale, get["k"], get["v"]], axis=0) * get["attn_norm"][None, :]
     gate_up = np.concatenate([get["gate"], get["up"]], axis=0) * get["ffn_norm"][None, :]
@@ -60,12 +61,12 @@ def engine_tensors(source: ModelSource, progress: bool = True) -> Iterator[tuple
     """Yield (engine tensor name, array) in a fixed order, with a progress bar over the layers."""
     arch = source.arch
     shapes = expected_shapes(arch)
-    yield "embed", _checked(source, EMBED, shapes)
-    yield "final_norm", _checked(source, FINAL_NORM, shapes)
+    yield "embed", checked_tensor(source, EMBED, shapes)
+    yield "final_norm", checked_tensor(source, FINAL_NORM, shapes)
     if not arch.tie_word_embeddings:
-        yield "lm_head", _checked(source, LM_HEAD, shapes)
+        yield "lm_head", checked_tensor(source, LM_HEAD, shapes)
     if arch.rope_freq_factors:
-        yield "rope_freq_factors", _checked(source, ROPE_FREQ_FACTORS, shapes)
+        yield "rope_freq_factors", checked_tensor(source, ROPE_FREQ_FACTORS, shapes)
     for i in tqdm(range(arch.num_hidden_layers), desc="converting layers", unit="layer", disable=not progress):
         for name, w in _layer(source, i, shapes).items():
             yield name, np.ascontiguousarray(w, dtype=np.float32)

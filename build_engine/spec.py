@@ -28,7 +28,9 @@ TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 MANIFEST_FILE = "manifest.json"
-SUPPORTED_DTYPES = ("float32",)
+# activation/weight dtypes each backend builds: the numpy engine is float32; TensorRT-LLM runs half precision
+BACKEND_DTYPES = {"native": ("float32",), "trtllm": ("float16", "bfloat16")}
+SUPPORTED_DTYPES = tuple(dict.fromkeys(d for dtypes in BACKEND_DTYPES.values() for d in dtypes))
 
 
 class EngineFormatError(ValueError):

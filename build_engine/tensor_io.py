@@ -1,6 +1,7 @@
 """Read safetensors files as memory maps.
 
-Writing goes through the `safetensors` library. Reading is done here because its numpy API copies every
+Engines are written with the `safetensors` library; Hugging Face exports with write_safetensors() below, since
+that library's numpy API cannot write bfloat16. Reading is done here because its numpy API copies every
 tensor into memory and cannot represent bfloat16: the runner wants a memory map (loading an engine costs no
 conversion and shares pages between processes) and Hugging Face checkpoints are often bfloat16.
 The format is an 8-byte little-endian header length, a JSON header and the raw little-endian data.
@@ -88,3 +89,39 @@ def to_float32(array: np.ndarray, dtype_name: str) -> np.ndarray:
         # bfloat16 is the upper half of a float32: shift the bits into place.
         return (array.astype(np.uint32) << 16).view(np.float32)
     return array.astype(np.float32)
+
+
+WRITE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _encode(a: np.ndarray, dtype: str) -> tuple[str, bytes]:
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if dtype == "bfloat16":  # round to nearest even, as torch does (NaN/inf are not expected in weights)
+        bits = a.view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return "BF16", bits.astype("<u2").tobytes()
+    if dtype == "float16":
+        return "F16", a.astype("<f2").tobytes()
+    return "F32", a.astype("<f4").tobytes()
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "float32") -> None:
+    """Write float tensors as one safetensors file in `dtype` (float32, float16 or bfloat16), names sorted."""
+    if dtype not in WRITE_DTYPES:
+        raise ValueError(f"dtype must be one of {WRITE_DTYPES}, got {dtype!r}")
+    entries, blobs, offset = {}, [], 0
+    for name in sorted(tensors):
+        code, data = _encode(tensors[name], dtype)
+        entries[name] = {
+            "dtype": code,
+            "shape": list(tensors[name].shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        blobs.append(data)
+        offset += len(data)
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        for blob in blobs:
+            f.write(blob)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from service.errors import InvalidRequest
@@ -132,6 +134,38 @@ class RequestTiming:
     tpot_ms: float  # decode_ms / (output tokens - 1); 0 with one token
     e2e_ms: float  # arrival -> finish
     itl_ms: tuple[float, ...] = ()  # gaps between consecutive tokens
+    source: str = "engine"  # engine: the engine's own timestamps; edge: measured by the backend around it
+
+    @classmethod
+    def from_times(
+        cls,
+        arrival: float,
+        scheduled: float | None,
+        token_times: Sequence[float],
+        finish: float,
+        source: str = "engine",
+        first_token: float | None = None,
+        last_token: float | None = None,
+    ) -> RequestTiming:
+        """From seconds on one monotonic clock. first_token/last_token override token_times' ends (an engine's
+        own stamps), token_times still give the inter-token gaps."""
+        first = first_token if first_token is not None else (token_times[0] if token_times else None)
+        last = last_token if last_token is not None else (token_times[-1] if token_times else None)
+        if first is None or last is None:  # finished before any token (aborted while queued or prefilling)
+            queue = (scheduled if scheduled is not None else finish) - arrival
+            return cls(queue * 1e3, 0.0, 0.0, 0.0, 0.0, (finish - arrival) * 1e3, source=source)
+        sched = first if scheduled is None else scheduled
+        n, decode = len(token_times), last - first
+        return cls(
+            queue_ms=(sched - arrival) * 1e3,
+            prefill_ms=(first - sched) * 1e3,
+            ttft_ms=(first - arrival) * 1e3,
+            decode_ms=decode * 1e3,
+            tpot_ms=decode * 1e3 / (n - 1) if n > 1 else 0.0,
+            e2e_ms=(finish - arrival) * 1e3,
+            itl_ms=tuple((b - a) * 1e3 for a, b in itertools.pairwise(token_times)),
+            source=source,
+        )
 
 
 @dataclass(slots=True)
@@ -224,24 +258,9 @@ class Request:
         self.token_times.append(now)
 
     def timing(self) -> RequestTiming:
-        end = self.finish_time if self.finish_time is not None else (self.token_times[-1] if self.token_times else 0.0)
-        sched = self.first_scheduled_time
-        if not self.token_times:  # finished before any token (aborted while queued or prefilling)
-            queue = (sched - self.arrival_time) if sched is not None else end - self.arrival_time
-            return RequestTiming(queue * 1e3, 0.0, 0.0, 0.0, 0.0, (end - self.arrival_time) * 1e3)
-        first, last = self.token_times[0], self.token_times[-1]
-        n = len(self.token_times)
-        decode = last - first
-        gaps = tuple((b - a) * 1e3 for a, b in zip(self.token_times, self.token_times[1:], strict=False))
-        return RequestTiming(
-            queue_ms=(sched - self.arrival_time) * 1e3,
-            prefill_ms=(first - sched) * 1e3,
-            ttft_ms=(first - self.arrival_time) * 1e3,
-            decode_ms=decode * 1e3,
-            tpot_ms=decode * 1e3 / (n - 1) if n > 1 else 0.0,
-            e2e_ms=(end - self.arrival_time) * 1e3,
-            itl_ms=gaps,
-        )
+        times = self.token_times
+        end = self.finish_time if self.finish_time is not None else (times[-1] if times else 0.0)
+        return RequestTiming.from_times(self.arrival_time, self.first_scheduled_time, times, end)
 
 
 @dataclass(frozen=True, slots=True)

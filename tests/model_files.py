@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import gguf
 import numpy as np
 
+from build_engine import tensor_io
 from build_engine.tensor_io import SafetensorsFile
 from build_engine.tiny import CHAT_TEMPLATE, MERGES, SPECIAL_TOKENS, bytes_to_unicode, tiny_config, tiny_weights
 
@@ -80,22 +80,12 @@ def write_tiny_gguf(path: Path, seed: int = 0, arch: str = "llama", **overrides:
 
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray], bf16: bool = False) -> None:
-    """A safetensors file written by hand (the numpy API of `safetensors` cannot write bfloat16)."""
-    entries, blobs, offset = {}, [], 0
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name], dtype=np.float32)
-        data = ((a.view(np.uint32) >> 16).astype("<u2") if bf16 else a.astype("<f4")).tobytes()
-        entries[name] = {
-            "dtype": "BF16" if bf16 else "F32",
-            "shape": list(a.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        blobs.append(data)
-        offset += len(data)
-    header = json.dumps(entries).encode()
-    header += b" " * (-len(header) % 8)
-    with open(path, "wb") as f:
-        f.write(len(header).to_bytes(8, "little") + header + b"".join(blobs))
+    """bfloat16 is truncated here (not rounded), so tests can predict the values exactly."""
+    if not bf16:
+        return tensor_io.write_safetensors(path, tensors, "float32")
+    truncated = {k: (np.ascontiguousarray(v, np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
+                 for k, v in tensors.items()}  # fmt: skip
+    tensor_io.write_safetensors(path, truncated, "bfloat16")
 
 
 def rewrite_checkpoint(src: Path, dst: Path, bf16: bool = False, shards: int = 1) -> dict[str, np.ndarray]:

@@ -218,3 +218,36 @@ def test_build_error_on_nan_weights(tiny_checkpoint: Path, tmp_path: Path) -> No
     with pytest.raises(BuildError, match="NaN"):
         build(str(tmp_path / "nan"), tmp_path / "e", progress=False)
     assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_hf_export_round_trips_through_our_loader(tmp_path: Path, dtype: str) -> None:
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    hf = tmp_path / "hf"
+    out = _run_cli("--model", str(tmp_path / "tiny.gguf"), "--output", str(hf), "--format", "hf", "--dtype", dtype)
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads((hf / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["torch_dtype"] == dtype
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json", "model.safetensors"} <= {
+        p.name for p in hf.iterdir()
+    }
+    build(str(tmp_path / "tiny.gguf"), tmp_path / "from-gguf", progress=False)
+    build(str(hf), tmp_path / "from-hf", progress=False)
+    direct, via_hf = _weights(tmp_path / "from-gguf"), _weights(tmp_path / "from-hf")
+    assert direct.keys() == via_hf.keys()
+    for name in direct:  # the same weights, whichever way they came (bfloat16: weights and norm gains each rounded, so 2 x 2^-8)
+        if dtype == "float32":
+            np.testing.assert_array_equal(direct[name], via_hf[name])
+        else:
+            np.testing.assert_allclose(direct[name], via_hf[name], rtol=2**-7, atol=1e-6)
+    again = _run_cli("--model", str(tmp_path / "tiny.gguf"), "--output", str(hf), "--format", "hf")
+    assert again.returncode == 2 and "not empty" in again.stderr
+
+
+def test_trtllm_build_without_tensorrt_llm_prints_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    out = _run_cli("--model", "tiny-random", "--output", str(tmp_path / "e"), "--backend", "trtllm")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "tensorrt_llm" in out.stderr and "docs/gpu.md" in out.stderr
+    assert not (tmp_path / "e").exists() and list(tmp_path.iterdir()) == []
+    native = _run_cli("--model", "tiny-random", "--output", str(tmp_path / "n"), "--weight-only", "int8")
+    assert native.returncode == 2 and "--weight-only" in native.stderr and not (tmp_path / "n").exists()
