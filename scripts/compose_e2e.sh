@@ -49,11 +49,13 @@ cleanup() {
         for s in llm-service lb prometheus build-engine; do compose logs --no-color --tail 30 "$s" 2>/dev/null; done
     fi
     if [ -z "${E2E_KEEP:-}" ] && docker info >/dev/null 2>&1; then
-        echo "==> teardown: docker-compose down -v"
+        echo "==> teardown: docker-compose down -v (logs: $WORK/compose.log)"
+        COMPOSE_PROFILES=loadtest,scale,monitoring compose logs --no-color --timestamps >"$WORK/compose.log" 2>&1
         COMPOSE_PROFILES=loadtest,scale,monitoring compose down -v --remove-orphans --timeout 60 2>&1 | tail -n 3
         left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
         left+=$(docker volume ls -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
-        [ -z "$left" ] || { echo "teardown left containers/volumes behind: $left" >&2; rc=1; }
+        left+=$(docker network ls -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+        [ -z "$left" ] || { echo "teardown left containers/volumes/networks behind: $left" >&2; rc=1; }
     fi
     if [ -n "$DOCKERD_PID" ]; then
         echo "==> stopping the dockerd this script started (pid $DOCKERD_PID)"
@@ -244,10 +246,10 @@ openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=lb" \
     -keyout "$WORK/secrets/tls.key" -out "$WORK/secrets/tls.crt" 2>/dev/null
 openssl rand -hex 24 >"$WORK/secrets/token"
 chmod 0644 "$WORK"/secrets/* # a throwaway pair, read by the non-root containers
-export LLM_AUTH_TOKEN_FILE=/run/secrets/llm/token
+export LLM_AUTH_TOKEN_FILE=/run/secrets/llm/token OPENBLAS_NUM_THREADS=1 # 2 replicas, 2 cores: no BLAS spinning
 compose --profile scale --profile monitoring up -d --scale llm-service=2
 wait_healthy llm-service 2 300
-replicas=($(ids llm-service))
+mapfile -t replicas < <(ids llm-service)
 [ "${#replicas[@]}" -eq 2 ] || fail "expected 2 llm-service replicas, found ${#replicas[@]}"
 TLS=(--target lb:8443 --tls-ca /run/secrets/llm/tls.crt)
 for _ in $(seq 30); do client python -m clients.health "${TLS[@]}" >/dev/null 2>&1 && break; sleep 1; done
@@ -319,6 +321,7 @@ loadtest_ok "$WORK/loadtest/scale-stop.json" 24 || {
 }
 code=$(docker inspect -f '{{.State.ExitCode}}' "$victim")
 [ "$code" = 0 ] || fail "the stopped replica exited with $code"
+! docker logs "$victim" 2>&1 | grep -q "drain timeout" || fail "the stopped replica cut streams at its drain timeout"
 ok "stopped replica ${victim:0:12} with $inflight request(s) in flight: drained in ${stop_s} s, exit 0, no request failed"
 
 stage "done"
