@@ -190,6 +190,7 @@ compose --profile scale --profile monitoring build build-engine lb prometheus >"
     tail -n 30 "$WORK/build.log" >&2
     fail "image build (log: $WORK/build.log)"
 }
+docker image prune -f --filter label=org.opencontainers.image.vendor=llm-grpc-serving >/dev/null # old builds
 ok "$(docker images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep ^llm-grpc-serving | tr '\n' ' ')"
 
 # 6. CPU stack -------------------------------------------------------------------------------------------
