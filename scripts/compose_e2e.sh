@@ -49,7 +49,7 @@ cleanup() {
         for s in llm-service lb prometheus build-engine; do compose logs --no-color --tail 30 "$s" 2>/dev/null; done
     fi
     if [ -z "${E2E_KEEP:-}" ] && docker info >/dev/null 2>&1; then
-        echo "==> teardown: docker-compose down -v (logs: $WORK/compose.log)"
+        stage "teardown: docker-compose down -v (logs: $WORK/compose.log)"
         COMPOSE_PROFILES=loadtest,scale,monitoring compose logs --no-color --timestamps >"$WORK/compose.log" 2>&1
         COMPOSE_PROFILES=loadtest,scale,monitoring compose down -v --remove-orphans --timeout 60 2>&1 | tail -n 3
         left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
@@ -326,4 +326,3 @@ code=$(docker inspect -f '{{.State.ExitCode}}' "$victim")
 ! docker logs "$victim" 2>&1 | grep -q "drain timeout" || fail "the stopped replica cut streams at its drain timeout"
 ok "stopped replica ${victim:0:12} with $inflight request(s) in flight: drained in ${stop_s} s, exit 0, no request failed"
 
-stage "done"
