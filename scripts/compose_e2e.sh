@@ -205,7 +205,7 @@ ok "build-engine: $(echo "$engine_log" | grep '^built ')"
 ok "llm-service healthy (grpc.health.v1 via python -m clients.health)"
 
 stage "CPU stack: loadtest profile"
-client python -m clients.loadtest --target=llm-service:50051 --concurrency=1,4 --num-requests=12 --input-len=64 \
+client python -m clients.loadtest --target=llm-service:50051 --concurrency=1,4 --num-requests=10 --input-len=64 \
     --output-len=32 --ignore-eos --output=/results/results.json --csv=/results/results.csv --plot=/results/plots \
     >"$WORK/loadtest.log" 2>&1 || { cat "$WORK/loadtest.log"; fail "loadtest exited non-zero"; }
 grep -E "^(concurrency|request_rate)=" "$WORK/loadtest.log" | sed 's/^/  /'
