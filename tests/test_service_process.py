@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -70,6 +71,9 @@ def test_sigterm_drains_streams_in_flight(engine_dir: Path) -> None:
             proc.send_signal(signal.SIGTERM)
             sigterm = time.monotonic()
             time.sleep(0.2)
+            # the listener is closed at the start of the drain (a balancer retries elsewhere), streams go on
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
             with pytest.raises(grpc.RpcError) as err:
                 list(llm_pb2_grpc.LLMServiceStub(grpc.insecure_channel(target)).Generate(
                     llm_pb2.GenerateRequest(prompt="late"), timeout=5

@@ -12,11 +12,12 @@ import logging
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from protos.llm.v1 import llm_pb2
+from service.api.health import DrainingHealthServicer
 from service.api.interceptors import AuthInterceptor, read_token
 from service.api.metrics import ServiceMetrics
 from service.api.servicer import LLMServicer
@@ -48,7 +49,7 @@ class LLMServer:
         self.cfg = cfg
         self.metrics = ServiceMetrics()
         self.backend: Backend | None = None  # set once loaded and warmed up
-        self.health = health.aio.HealthServicer()
+        self.health = DrainingHealthServicer()
         self.servicer = LLMServicer(lambda: self.backend, self.metrics, cfg.max_concurrent_rpcs, cfg.log_prompts)
         self._server: grpc.aio.Server | None = None
         self._metrics_http = None
@@ -56,6 +57,7 @@ class LLMServer:
         self.metrics_port: int | None = None
         self._draining = False
         self._force = False  # a second signal: stop waiting for streams
+        self._stopped = False  # drain_and_stop ran (it runs once)
         self._tasks: set[asyncio.Future] = set()
         self.fatal: str | None = None  # why the engine can no longer serve (the process should exit non-zero)
         self.fatal_event = asyncio.Event()
@@ -178,16 +180,27 @@ class LLMServer:
 
     # ---- shutdown --------------------------------------------------------------------------------
     async def drain_and_stop(self, timeout: float | None = None) -> None:
-        """NOT_SERVING at once, refuse new RPCs, let streams in flight finish within the timeout, then stop."""
+        """NOT_SERVING at once, close the listener, let streams in flight finish within the timeout, then stop.
+
+        The listener closes (and existing connections get GOAWAY) at the start, not the end: a load balancer's
+        next connection attempt is refused and it retries another replica (nginx `grpc_next_upstream error`),
+        instead of receiving UNAVAILABLE from this one, which it cannot retry.
+        """
+        if self._stopped:
+            return
+        self._stopped = True
         timeout = self.cfg.drain_timeout_s if timeout is None else timeout
         self._draining = True
         await self.health.enter_graceful_shutdown()
         if self.backend is not None:
             self.backend.stop_accepting()
-        self.servicer.draining = True  # every new LLMService RPC now gets UNAVAILABLE
-        # NOTE: server.stop(grace) would also wait out health Watch streams, which never end; so wait for the
-        # Generate streams in flight only, then stop with no grace (one stop() call: concurrent calls crash grpc).
+        self.servicer.draining = True  # an RPC still arriving on an old connection gets UNAVAILABLE
         loop = asyncio.get_running_loop()
+        stopping = None
+        if self._server is not None:
+            await self.health.end_watches()  # else the grace below would wait for them: they never end
+            # one stop() call for the whole drain (concurrent calls crash grpc); it returns once every RPC is done
+            stopping = asyncio.ensure_future(self._server.stop(timeout + CUT_GRACE_S + 1))
         deadline = loop.time() + timeout
         while self.servicer.num_active and loop.time() < deadline and not self._force:
             await asyncio.sleep(0.02)
@@ -199,8 +212,8 @@ class LLMServer:
             cut_deadline = loop.time() + CUT_GRACE_S
             while self.servicer.num_active and loop.time() < cut_deadline:
                 await asyncio.sleep(0.01)
-        if self._server is not None:
-            await self._server.stop(0)
+        if stopping is not None:
+            await stopping
         if self.backend is not None:  # a dead engine's thread may be stuck in a stalled step: do not wait long
             await self.backend.shutdown(timeout=0.5 if self.fatal else 5.0)
         if self._metrics_http is not None:
