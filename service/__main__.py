@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from service.api.server import LLMServer
+from service.backends import preflight
 from service.config import BACKENDS, FAILURE_POLICIES, BackendConfig, ServerConfig, get_path, replace_path
 
 logger = logging.getLogger("service")
@@ -178,6 +179,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 async def serve(cfg: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT (drain, exit 0) or an engine failure (exit EXIT_ENGINE_FAILED)."""
+    preflight(cfg.backend)  # a missing dependency is one line, before any port is bound
     server = LLMServer(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

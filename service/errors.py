@@ -6,6 +6,10 @@ Raised by validation, admission and the backends; the API edge turns each into o
 from __future__ import annotations
 
 
+class BackendLoadError(ValueError):
+    """The backend cannot start: a dependency is missing, or the engine does not suit it (one line, exit 2)."""
+
+
 class InvalidRequest(ValueError):
     """A request field is out of range; the message names the field and the limit (INVALID_ARGUMENT)."""
 

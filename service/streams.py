@@ -84,7 +84,10 @@ class RequestStreams:
         self._queued.add(req_id)
         return collector
 
-    def close(self, req_id: str) -> None:
+    def close(self, req_id: str, collector: RequestOutputCollector | None = None) -> None:
+        """Forget a stream; with `collector`, only if the id still belongs to it (an id may be reused later)."""
+        if collector is not None and self._collectors.get(req_id) is not collector:
+            return
         self._collectors.pop(req_id, None)
         self._queued.discard(req_id)
 
@@ -118,4 +121,4 @@ class RequestStreams:
             abort(req_id)
             raise
         finally:
-            self.close(req_id)
+            self.close(req_id, collector)

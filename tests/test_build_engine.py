@@ -235,7 +235,9 @@ def test_hf_export_round_trips_through_our_loader(tmp_path: Path, dtype: str) ->
     build(str(hf), tmp_path / "from-hf", progress=False)
     direct, via_hf = _weights(tmp_path / "from-gguf"), _weights(tmp_path / "from-hf")
     assert direct.keys() == via_hf.keys()
-    for name in direct:  # the same weights, whichever way they came (bfloat16: weights and norm gains each rounded, so 2 x 2^-8)
+    for name in (
+        direct
+    ):  # the same weights, whichever way they came (bfloat16: weights and norm gains each rounded, so 2 x 2^-8)
         if dtype == "float32":
             np.testing.assert_array_equal(direct[name], via_hf[name])
         else:

@@ -15,6 +15,22 @@ def resolve(cfg: BackendConfig) -> str:
     return engine_backend(cfg.engine_dir) if cfg.backend == "auto" else cfg.backend
 
 
+def preflight(cfg: BackendConfig) -> None:
+    """Fail fast, before any port is bound: the backend's dependencies import (BackendLoadError, one line)."""
+    name = resolve(cfg)
+    if name == "trtllm":
+        from service.backends.trtllm import import_executor
+
+        import_executor()
+    elif name == "triton":
+        from service.errors import BackendLoadError
+
+        try:
+            import tritonclient.grpc  # noqa: F401
+        except ImportError as exc:
+            raise BackendLoadError(f"the triton backend needs tritonclient[grpc] ({exc})") from None
+
+
 def load_backend(cfg: BackendConfig) -> Backend:
     """Load the model (slow: call it in a worker thread). Raises ValueError/OSError with one clear line."""
     name = resolve(cfg)

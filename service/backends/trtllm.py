@@ -1,0 +1,470 @@
+"""The TensorRT-LLM backend: a compiled engine served by tensorrt_llm.bindings.executor.Executor (1.2.1).
+
+The Executor schedules, batches in flight and pages the KV cache itself; this backend maps our requests onto
+it and its responses back, the way Triton's own Python model drives it:
+- one response thread loops await_responses(timeout) and hands outputs to the event loop (never blocking it);
+- requests are enqueued streaming, with end/pad ids from the tokenizer, the model's extra EOS ids and our stop
+  token ids as single-token stop words, and the full SamplingConfig mapping (sampling_config() below);
+- stop strings and text come from our own detokenizer (service/textstream.py), exactly as in the native
+  backend; a stop string cancels the request in the executor;
+- cancel_request on client cancel, deadline and drain; aborts and routing use the executor's request ids;
+- perf metrics (arrival, first scheduled, first token, last token) become the same Timing as the native
+  engine's (docs/timing.md); iteration stats feed the KV and batch gauges;
+- the failure policy of the seam: a dead executor fails every stream, then exit (default) or recover (a new
+  Executor on the same engine).
+tensorrt_llm is imported lazily, inside this module only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from build_engine import spec
+from build_engine.spec import EngineConfig, EngineFormatError
+from service.backends.base import BackendInfo
+from service.config import BackendConfig
+from service.errors import BackendLoadError, EngineUnavailable, InvalidRequest
+from service.limits import check_request
+from service.request import GenerateRequest, RequestOutput, RequestTiming, SamplingParams, TokenLogprob
+from service.runtime import BackendRuntime
+from service.telemetry import BackendStats, Observer
+from service.textstream import RequestText
+from service.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+RESPONSE_WAIT = datetime.timedelta(milliseconds=50)  # await_responses returns at once when responses are ready
+STATS_PERIOD_S = 0.1  # iteration stats -> gauges (Triton's stats_check_period_ms is 100)
+POLICIES = {"guaranteed_no_evict": "GUARANTEED_NO_EVICT", "max_utilization": "MAX_UTILIZATION"}
+FINISH = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "abort", "TIMED_OUT": "abort"}
+WORKER_ENV = "TRTLLM_EXECUTOR_WORKER"  # orchestrator mode: path of TensorRT-LLM's executorWorker binary
+
+
+def import_executor() -> ModuleType:
+    """tensorrt_llm.bindings.executor, or BackendLoadError with one line saying what is missing."""
+    from build_engine.trtllm_builder import INSTALL_HINT, TRTLLM_VERSION
+
+    try:
+        trt = importlib.import_module("tensorrt_llm")
+        executor = importlib.import_module("tensorrt_llm.bindings.executor")
+    except ImportError as exc:
+        raise BackendLoadError(f"tensorrt_llm cannot be imported ({exc}); {INSTALL_HINT}") from None
+    version = str(getattr(trt, "__version__", "unknown"))
+    if not version.startswith("1.2"):
+        raise BackendLoadError(
+            f"tensorrt_llm {version} is installed; the trtllm backend is written for {TRTLLM_VERSION}"
+        )
+    return executor
+
+
+def read_manifest(engine_dir: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((engine_dir / spec.MANIFEST_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BackendLoadError(f"{engine_dir} has no readable {spec.MANIFEST_FILE} ({exc})") from None
+    if manifest.get("backend") != "trtllm" or "engine" not in manifest:
+        raise BackendLoadError(f"{engine_dir} is not a TensorRT-LLM engine built by python -m build_engine")
+    return manifest
+
+
+def sampling_config(trt: ModuleType, p: SamplingParams) -> Any:
+    """Our sampling parameters as TensorRT-LLM's SamplingConfig.
+
+    TensorRT-LLM samples greedily whenever top_k is unset/0/1 and top_p is unset/0, whatever the temperature
+    (regularizeTopKTopP), so temperature 0 sends top_k=1 and temperature > 0 without top-k/top-p sends
+    top_p=1.0; with no seed its runtime seed is 0 for every request, so each request without one draws its own.
+    """
+    kw: dict[str, Any] = {"seed": p.seed if p.seed is not None else secrets.randbits(63)}
+    if p.greedy:
+        kw["top_k"] = 1
+    else:
+        kw["temperature"] = p.temperature
+        if p.top_k:
+            kw["top_k"] = p.top_k
+        if p.top_p < 1.0 or not p.top_k:
+            kw["top_p"] = p.top_p
+        if p.min_p:
+            kw["min_p"] = p.min_p
+    if p.min_tokens:
+        kw["min_tokens"] = p.min_tokens
+    if p.repetition_penalty != 1.0:
+        kw["repetition_penalty"] = p.repetition_penalty
+    if p.presence_penalty:
+        kw["presence_penalty"] = p.presence_penalty
+    if p.frequency_penalty:
+        kw["frequency_penalty"] = p.frequency_penalty
+    return trt.SamplingConfig(beam_width=1, **kw)
+
+
+def check_supported(gen: GenerateRequest) -> None:
+    """Refuse, naming the field, what TensorRT-LLM cannot honour as we define it."""
+    if gen.sampling.logprobs:
+        raise InvalidRequest(
+            "output.logprobs > 0: the trtllm backend returns the chosen token's log-probability only (logprobs=0)"
+        )
+    if gen.priority:
+        raise InvalidRequest("priority: the trtllm backend schedules first come, first served (priority 0 only)")
+
+
+def _weight_format(dtype: str, weight_only: str) -> str:
+    return dtype if weight_only == "none" else f"{weight_only} weight-only ({dtype} activations)"
+
+
+def _seconds(value: Any) -> float | None:
+    """A TimingMetrics stamp (timedelta on the steady clock; zero when not reached) in seconds."""
+    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else None
+    return seconds if seconds else None
+
+
+@dataclass
+class Live:
+    """One request in the executor."""
+
+    gen: GenerateRequest
+    text: RequestText
+    arrival: float  # our clock (monotonic, the steady clock TensorRT-LLM stamps with)
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+
+
+class TrtllmBackend(BackendRuntime):
+    def __init__(self, cfg: BackendConfig) -> None:
+        super().__init__(cfg.admission)
+        self.cfg = cfg
+        self.trt = import_executor()
+        self.engine_dir = Path(cfg.engine_dir)
+        manifest = read_manifest(self.engine_dir)
+        try:
+            self.config = EngineConfig.from_json(json.dumps(manifest["engine"]))
+        except EngineFormatError as exc:
+            raise BackendLoadError(str(exc)) from None
+        self.settings = manifest.get("settings", {})
+        self.tokenizer = Tokenizer.from_engine_dir(self.engine_dir)
+        ids = self.config.tokenizer
+        self.end_id = ids.eos_token_ids[0]
+        self.pad_id = ids.pad_token_id if ids.pad_token_id is not None else self.end_id
+        self.extra_eos = tuple(ids.eos_token_ids[1:])
+        self._base_info = self._info()
+        self._stats = BackendStats(0, 0, 0, 0)
+        self._observer: Observer | None = None
+        self._lock = threading.Lock()  # the executor id -> Live map, shared with the response thread
+        self._live: dict[int, Live] = {}
+        self._threads: list[threading.Thread] = []
+        self._generation = 0  # executors created so far: stream ids are "<generation>:<executor id>"
+        self.executor = self._new_executor()
+
+    # ---- loading ---------------------------------------------------------------------------------------------
+    def _new_executor(self) -> Any:
+        trt, cfg = self.trt, self.cfg
+        kv = trt.KvCacheConfig(
+            enable_block_reuse=cfg.prefix_caching,
+            free_gpu_memory_fraction=cfg.trtllm.kv_cache_free_gpu_memory_fraction,
+        )
+        policy = getattr(trt.CapacitySchedulerPolicy, POLICIES[cfg.trtllm.scheduler_policy])
+        kw: dict[str, Any] = {
+            "max_beam_width": 1,
+            "scheduler_config": trt.SchedulerConfig(capacity_scheduler_policy=policy),
+            "kv_cache_config": kv,
+            "enable_chunked_context": cfg.trtllm.enable_chunked_context,
+            "iter_stats_max_iterations": 1000,
+        }
+        if cfg.max_num_seqs:
+            kw["max_batch_size"] = cfg.max_num_seqs
+        if cfg.max_num_tokens:
+            kw["max_num_tokens"] = cfg.max_num_tokens
+        world = int(self.settings.get("tp_size", 1)) * int(self.settings.get("pp_size", 1))
+        if world > 1:
+            kw["parallel_config"] = self._orchestrator(world)
+        self._generation += 1  # a new executor numbers its requests from 1 again
+        try:
+            return trt.Executor(str(self.engine_dir), trt.ModelType.DECODER_ONLY, trt.ExecutorConfig(**kw))
+        except RuntimeError as exc:  # TensorRT-LLM reports engine/GPU mismatches this way
+            raise BackendLoadError(f"TensorRT-LLM could not load {self.engine_dir}: {exc}") from None
+
+    def _orchestrator(self, world: int) -> Any:
+        """Multi-GPU engines: one orchestrator process spawning TensorRT-LLM's worker per rank (MPI)."""
+        import os
+
+        worker = os.environ.get(WORKER_ENV) or str(
+            Path(importlib.import_module("tensorrt_llm").__file__).parent / "bin" / "executorWorker"
+        )
+        if not Path(worker).is_file():
+            raise BackendLoadError(
+                f"the engine needs {world} GPUs (orchestrator mode) but TensorRT-LLM's executorWorker is not at "
+                f"{worker}; set {WORKER_ENV} to its path"
+            )
+        trt = self.trt
+        return trt.ParallelConfig(
+            communication_type=trt.CommunicationType.MPI,
+            communication_mode=trt.CommunicationMode.ORCHESTRATOR,
+            orchestrator_config=trt.OrchestratorConfig(is_orchestrator=True, worker_executable_path=worker),
+        )
+
+    def _info(self) -> BackendInfo:
+        c, a, s = self.config, self.config.arch, self.settings
+        return BackendInfo(
+            backend="trtllm",
+            model_name=c.model_name,
+            architecture=a.architecture,
+            vocab_size=a.vocab_size,
+            max_seq_len=c.limits.max_seq_len,
+            max_batch_size=self.cfg.max_num_seqs or c.limits.max_batch_size,
+            max_num_tokens=self.cfg.max_num_tokens or c.limits.max_num_tokens,
+            kv_block_size=c.limits.kv_block_size,
+            num_kv_blocks=0,  # known once the executor reports its iteration stats
+            dtype=s.get("dtype", c.limits.dtype),
+            weight_format=_weight_format(s.get("dtype", c.limits.dtype), s.get("weight_only", "none")),
+            prefix_caching=self.cfg.prefix_caching,
+            eos_token_ids=tuple(c.tokenizer.eos_token_ids),
+            max_queue=self.admission.max_queue,
+            num_layers=a.num_hidden_layers,
+            hidden_size=a.hidden_size,
+            num_attention_heads=a.num_attention_heads,
+            num_key_value_heads=a.num_key_value_heads,
+            engine_format_version=spec.FORMAT_VERSION,
+        )
+
+    @property
+    def info(self) -> BackendInfo:
+        from dataclasses import replace
+
+        return replace(self._base_info, num_kv_blocks=self._stats.kv_blocks_total)
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def start(self, on_health_change: Callable[[bool], None], on_fatal: Callable[[str], None]) -> None:
+        self.bind(on_health_change, on_fatal)
+        self._threads = [
+            threading.Thread(target=self._respond, name="trtllm-responses", daemon=True),
+            threading.Thread(target=self._poll_stats, name="trtllm-stats", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        self.start_runtime()
+
+    def worker_alive(self) -> bool:
+        return bool(self._threads) and self._threads[0].is_alive()
+
+    def observe(self, observer: Observer | None) -> None:
+        self._observer = observer
+
+    def stats(self) -> BackendStats:
+        return self._stats
+
+    async def shutdown(self, timeout: float) -> None:
+        self._accepting = False
+        self.abort_all()
+        self._stopping = True
+        for t in self._threads:
+            await self._loop.run_in_executor(None, t.join, timeout)
+        try:
+            self.executor.shutdown()
+        except Exception:  # already dead: nothing left to release
+            logger.exception("executor shutdown failed")
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+    def generate(self, gen: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        # NOTE: no await between these checks and the reservation (atomic admission, as the native backend).
+        self.check_alive()
+        check_request(gen.prompt_token_ids, gen.sampling, self._base_info.limits)
+        check_supported(gen)
+        self.check_queue()
+        request = self._request(gen)
+        with self._lock:
+            self.check_alive()  # again, under the lock: a failure may have begun since (recovery swaps executors)
+            try:
+                rid = self.executor.enqueue_request(request)
+            except Exception as exc:
+                logger.exception("enqueue_request failed")
+                raise EngineUnavailable(f"the executor did not accept the request ({type(exc).__name__})") from None
+            self._live[rid] = Live(
+                gen, RequestText(self.tokenizer, gen.prompt_token_ids, gen.sampling), time.monotonic()
+            )
+        req_id = f"{self._generation}:{rid}"
+        collector = self.streams.open(req_id)
+        self.busy(True)  # progress is expected from here: the watchdog times the gap between responses
+        return self.streams.stream(req_id, collector, self.abort)
+
+    def _request(self, gen: GenerateRequest) -> Any:
+        trt, p = self.trt, gen.sampling
+        stop_words = [[t] for t in (*p.stop_token_ids, *(() if p.ignore_eos else self.extra_eos))]
+        return trt.Request(
+            input_token_ids=list(gen.prompt_token_ids),
+            max_tokens=p.max_tokens,
+            streaming=True,
+            sampling_config=sampling_config(trt, p),
+            output_config=trt.OutputConfig(
+                return_log_probs=p.logprobs is not None, exclude_input_from_output=True, return_perf_metrics=True
+            ),
+            end_id=-1 if p.ignore_eos else self.end_id,  # -1: TensorRT-LLM never stops on an end id
+            pad_id=self.pad_id,
+            stop_words=stop_words or None,
+        )
+
+    def abort(self, req_id: str) -> None:
+        """Cancel by the stream id ("<generation>:<executor id>"); idempotent, unknown or stale ids ignored."""
+        generation, _, rid_text = req_id.partition(":")
+        rid = int(rid_text)
+        with self._lock:
+            known = rid in self._live and int(generation) == self._generation
+        if known:
+            try:
+                self.executor.cancel_request(rid)
+            except Exception:  # the executor is gone: the failure path ends the stream
+                logger.exception("cancel_request(%d) failed", rid)
+
+    def abort_all(self) -> None:
+        with self._lock:
+            ids = [f"{self._generation}:{rid}" for rid in self._live]
+        for req_id in ids:
+            self.abort(req_id)
+
+    # ---- response thread ---------------------------------------------------------------------------------------
+    def _respond(self) -> None:
+        while not self._stopping:
+            try:
+                responses = self.executor.await_responses(timeout=RESPONSE_WAIT)
+            except Exception as exc:  # the executor died: every stream fails, then the failure policy
+                logger.exception("the executor failed; failing every request in flight")
+                if not self._after_failure(f"{type(exc).__name__} in the executor"):
+                    return
+                continue
+            if not responses:
+                continue
+            with self._lock:
+                outputs = [o for o in (self._output(r) for r in responses) if o is not None]
+                waiting = bool(self._live)
+            self.busy(waiting)  # a response came: restart (or stop) the watchdog's clock
+            self.deliver(outputs)
+            if self._observer is not None and outputs:
+                self._observer.on_outputs(outputs)
+
+    def _after_failure(self, reason: str) -> bool:
+        """Fail every stream; recover with a new executor (True: keep running) or mark dead (False)."""
+        with self._lock:
+            self._accepting = False  # nothing may reach the dead executor while it is replaced
+            self._live.clear()
+        self.call_in_loop(self.streams.fail_all, "internal engine error")
+        self.busy(False)
+        if self.admission.on_failure == "recover":
+            old = self.executor
+            try:
+                old.shutdown()
+            except Exception:  # dead already
+                logger.warning("the failed executor did not shut down cleanly")
+            try:
+                self.executor = self._new_executor()
+            except BackendLoadError:
+                logger.exception("the executor cannot be recreated")
+            else:
+                self._accepting = True
+                logger.warning("a new executor serves after %s", reason)
+                return True
+        self.mark_dead(reason)
+        return False
+
+    def _output(self, response: Any) -> RequestOutput | None:
+        rid = response.request_id
+        live = self._live.get(rid)
+        if live is None:
+            return None  # finished here already (a stop string cancelled it): later responses are ignored
+        if response.has_error():  # never the client's fault (we checked): logged, reported with the request id
+            logger.error("request %d failed in the executor: %s", rid, response.error_msg)
+            del self._live[rid]
+            return RequestOutput(self._stream_id(rid), [], finished=True, finish_reason="error", error="executor error")
+        result = response.result
+        now = time.monotonic()
+        new = list(result.output_token_ids[0]) if result.output_token_ids else []
+        accepted, stop = self._push(live, new, now)
+        finished = bool(result.is_final) or stop is not None
+        reason = stop_reason = None
+        if stop is not None:
+            reason, stop_reason = "stop", stop
+            self.executor.cancel_request(rid)
+        elif finished:
+            reason, stop_reason = self._finish_reason(result, live)
+            tail = live.text.finish()
+            if tail is not None:  # a stop string completed by the final flush
+                reason, stop_reason = "stop", tail
+        out = RequestOutput(
+            request_id=self._stream_id(rid),
+            new_token_ids=accepted,
+            new_text=live.text.take(finished),
+            logprobs=self._logprobs(result, accepted),
+            num_prompt_tokens=len(live.gen.prompt_token_ids),
+            num_output_tokens=len(live.token_ids),
+        )
+        if finished:
+            out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
+            out.timing = self._timing(result, live, now)
+            self._live.pop(rid, None)
+        return out
+
+    def _stream_id(self, rid: int) -> str:
+        return f"{self._generation}:{rid}"
+
+    def _push(self, live: Live, new: list[int], now: float) -> tuple[list[int], str | None]:
+        """Add tokens to the text; stop at the first one that completes a stop string."""
+        accepted = []
+        for token in new:
+            live.token_ids.append(token)
+            live.token_times.append(now)
+            accepted.append(token)
+            stop = live.text.push(token)
+            if stop is not None:
+                return accepted, stop
+        return accepted, None
+
+    def _finish_reason(self, result: Any, live: Live) -> tuple[str, int | None]:
+        name = result.finish_reasons[0].name if result.finish_reasons else "LENGTH"
+        reason = FINISH.get(name, "length")
+        last = live.token_ids[-1] if live.token_ids else None
+        stop_token = last if name == "STOP_WORDS" and last in live.gen.sampling.stop_token_ids else None
+        return reason, stop_token
+
+    @staticmethod
+    def _logprobs(result: Any, tokens: list[int]) -> list[TokenLogprob] | None:
+        values = result.log_probs[0] if getattr(result, "log_probs", None) else None
+        if values is None:
+            return None
+        return [
+            TokenLogprob(t, float(v)) for t, v in zip(tokens, values[-len(tokens) :] if tokens else [], strict=False)
+        ]
+
+    def _timing(self, result: Any, live: Live, now: float) -> RequestTiming:
+        perf = getattr(result, "request_perf_metrics", None)
+        t = getattr(perf, "timing_metrics", None)
+        if t is not None and _seconds(t.arrival_time) is not None:  # the executor's own stamps
+            last = _seconds(t.last_token_time)
+            return RequestTiming.from_times(
+                _seconds(t.arrival_time), _seconds(t.first_scheduled_time), live.token_times,
+                last or now, first_token=_seconds(t.first_token_time), last_token=last,
+            )  # fmt: skip
+        return RequestTiming.from_times(live.arrival, None, live.token_times, now, source="edge")
+
+    # ---- stats thread --------------------------------------------------------------------------------------------
+    def _poll_stats(self) -> None:
+        while not self._stopping and self._dead is None:
+            time.sleep(STATS_PERIOD_S)
+            try:
+                stats = self.executor.get_latest_iteration_stats()
+            except Exception:  # the response thread handles a dead executor
+                continue
+            if not stats:
+                continue
+            s = stats[-1]
+            kv, ifb = s.kv_cache_stats, s.inflight_batching_stats
+            running = ifb.num_scheduled_requests if ifb is not None else s.num_active_requests - s.num_queued_requests
+            self._stats = BackendStats(running, s.num_queued_requests, kv.used_num_blocks, kv.max_num_blocks)
+            if self._observer is not None:
+                self._observer.on_gauges(self._stats)

@@ -1,0 +1,411 @@
+"""The TensorRT-LLM builder and backend against the TensorRT-LLM test double (tests/trtllm_double).
+
+The double is generated from the real 1.2 surface (tests/data/trtllm_surface_1.2.json) and runs our native
+engine underneath, so these tests check the exact calls, keywords and values our code sends to TensorRT-LLM,
+and the behaviour of the backend on real streams. What they cannot show is TensorRT-LLM itself running: the
+gpu-marked tests in test_trtllm_gpu.py do that where a GPU and TensorRT-LLM exist (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import inspect
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from build_engine.builder import build
+from build_engine.trtllm_builder import TrtllmOptions
+from protos.llm.v1 import llm_pb2
+from service.backends.trtllm import TrtllmBackend, sampling_config
+from service.config import AdmissionConfig, BackendConfig, TrtllmConfig
+from service.request import GenerateRequest, SamplingParams
+from tests.servers import running_server
+from tests.trtllm_double import installed
+from tests.trtllm_double.surface import ALLOW_LIST, PARTIAL, SURFACE, known_names, signature
+
+LIMITS = {"max_seq_len": 512, "max_num_tokens": 64, "max_batch_size": 8, "kv_block_size": 16}
+EXECUTOR = "tensorrt_llm.bindings.executor"
+
+
+@pytest.fixture(scope="module")
+def double():
+    with installed() as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def engine(double, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("trtllm") / "tiny-fp16"
+    build("tiny-random", out, LIMITS, progress=False, backend="trtllm", trtllm=TrtllmOptions(dtype="float16"))
+    return out
+
+
+def _last(double, short: str):
+    objs = double.recorder.built(short)
+    assert objs, f"no {short} was built"
+    return objs[-1]
+
+
+# ---- build --------------------------------------------------------------------------------------------------------
+
+
+def test_fp16_build_calls_and_files(double, tmp_path: Path) -> None:
+    double.recorder.clear()
+    out = tmp_path / "e"
+    build("tiny-random", out, LIMITS, progress=False, backend="trtllm", trtllm=TrtllmOptions(dtype="float16"))
+    rec = double.recorder
+    assert rec.called("tensorrt_llm.models.LLaMAForCausalLM.from_hugging_face") == [
+        ("dtype", "hf_model_or_dir", "mapping")
+    ]  # no quant_config for a plain fp16 build
+    mapping = _last(double, "Mapping")
+    assert (mapping.world_size, mapping.rank, mapping.tp_size, mapping.pp_size) == (1, 0, 1, 1)
+    bc = _last(double, "BuildConfig")
+    assert (bc.max_batch_size, bc.max_input_len, bc.max_seq_len, bc.max_num_tokens, bc.max_beam_width) == (
+        8,
+        512,
+        512,
+        64,
+        1,
+    )
+    assert bc.kv_cache_type == double.modules["tensorrt_llm.llmapi.kv_cache_type"].KVCacheType.PAGED
+    pc = bc.plugin_config
+    assert (pc.gpt_attention_plugin, pc.gemm_plugin, pc.tokens_per_block) == ("float16", "float16", 16)
+    assert pc.remove_input_padding and pc.context_fmha and pc.use_paged_context_fmha
+    assert rec.called("tensorrt_llm.build") and rec.called("tensorrt_llm.builder.Engine.save") == [("engine_dir",)]
+    files = {p.name for p in out.iterdir()}
+    assert {"config.json", "rank0.engine", "manifest.json", "tokenizer.json", "tokenizer_config.json"} <= files
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["backend"] == "trtllm" and manifest["settings"]["dtype"] == "float16"
+    assert manifest["built"]["tensorrt_llm_version"] == "1.2.1"
+    assert set(manifest["files"]) >= {"config.json", "rank0.engine", "tokenizer.json"}
+    again = build("tiny-random", out, LIMITS, progress=False, backend="trtllm", trtllm=TrtllmOptions(dtype="float16"))
+    assert again.skipped  # the same engine is not rebuilt
+
+
+def test_int8_weight_only_build(double, tmp_path: Path) -> None:
+    double.recorder.clear()
+    options = TrtllmOptions(dtype="bfloat16", weight_only="int8")
+    build("tiny-random", tmp_path / "e", LIMITS, progress=False, backend="trtllm", trtllm=options)
+    quant = _last(double, "QuantConfig")
+    assert quant.quant_algo == double.modules["tensorrt_llm.quantization"].QuantAlgo.W8A16
+    assert double.recorder.called("tensorrt_llm.models.LLaMAForCausalLM.from_hugging_face") == [
+        ("dtype", "hf_model_or_dir", "mapping", "quant_config")
+    ]
+    assert _last(double, "PluginConfig").gemm_plugin == "bfloat16"
+
+
+def test_tp2_builds_one_engine_per_rank(double, tmp_path: Path) -> None:
+    double.recorder.clear()
+    out = tmp_path / "tp2"
+    build("tiny-random", out, LIMITS, progress=False, backend="trtllm", trtllm=TrtllmOptions(tp_size=2))
+    mappings = double.recorder.built("Mapping")
+    assert [(m.world_size, m.rank, m.tp_size, m.pp_size) for m in mappings] == [(2, 0, 2, 1), (2, 1, 2, 1)]
+    assert len(double.recorder.called("tensorrt_llm.builder.Engine.save")) == 2
+    assert {"rank0.engine", "rank1.engine"} <= {p.name for p in out.iterdir()}
+    config = json.loads((out / "config.json").read_text())
+    assert config["pretrained_config"]["mapping"]["world_size"] == 2
+
+
+# ---- executor configuration and request mapping ------------------------------------------------------------
+
+
+def _backend(engine: Path, **trtllm) -> TrtllmBackend:
+    return TrtllmBackend(BackendConfig(engine_dir=str(engine), trtllm=TrtllmConfig(**trtllm)))
+
+
+def test_executor_configuration(double, engine: Path) -> None:
+    ex = double.executor
+    backend = _backend(engine)
+    try:
+        executor = backend.executor
+        assert executor.model_path == str(engine) and executor.model_type == ex.ModelType.DECODER_ONLY
+        cfg = executor.executor_config
+        assert cfg.max_beam_width == 1 and cfg.enable_chunked_context is True
+        assert cfg.scheduler_config.capacity_scheduler_policy == ex.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+        assert cfg.kv_cache_config.enable_block_reuse is True
+        assert cfg.kv_cache_config.free_gpu_memory_fraction == 0.9
+        assert cfg.parallel_config is None  # one GPU: leader mode, no orchestrator
+    finally:
+        backend.executor.shutdown()
+    other = _backend(engine, scheduler_policy="max_utilization", enable_chunked_context=False)
+    try:
+        cfg = other.executor.executor_config
+        assert cfg.scheduler_config.capacity_scheduler_policy == ex.CapacitySchedulerPolicy.MAX_UTILIZATION
+        assert cfg.enable_chunked_context is False
+    finally:
+        other.executor.shutdown()
+
+
+def test_request_mapping(double, engine: Path) -> None:
+    ex = double.executor
+    backend = _backend(engine)
+    try:
+        greedy = backend._request(GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0)))
+        assert greedy.input_token_ids == [5, 6, 7] and greedy.max_tokens == 4 and greedy.streaming
+        assert greedy.sampling_config.top_k == 1 and greedy.end_id == backend.end_id and greedy.pad_id == backend.pad_id
+        assert greedy.output_config.exclude_input_from_output and greedy.output_config.return_perf_metrics
+        assert greedy.stop_words is None
+        stops = SamplingParams(max_tokens=4, stop_token_ids=(9, 11))
+        assert backend._request(GenerateRequest("b", [5], stops)).stop_words == [[9], [11]]
+        ignore = backend._request(GenerateRequest("c", [5], SamplingParams(ignore_eos=True)))
+        assert ignore.end_id == -1
+    finally:
+        backend.executor.shutdown()
+    sampled = sampling_config(ex, SamplingParams(temperature=0.7))
+    assert (sampled.temperature, sampled.top_p, sampled.top_k) == (0.7, 1.0, None)  # top_p=1.0 or it is greedy
+    seeds = {sampling_config(ex, SamplingParams(temperature=0.7)).seed for _ in range(8)}
+    assert len(seeds) == 8  # a seed of its own per request (TensorRT-LLM's default is 0 for all)
+    assert sampling_config(ex, SamplingParams(temperature=0.7, seed=42)).seed == 42
+    topk = sampling_config(ex, SamplingParams(temperature=1.0, top_k=5))
+    assert (topk.top_k, topk.top_p) == (5, None)
+    pens = sampling_config(
+        ex, SamplingParams(temperature=0, repetition_penalty=1.2, min_tokens=2, frequency_penalty=0.5)
+    )
+    assert (pens.repetition_penalty, pens.min_tokens, pens.frequency_penalty, pens.top_k) == (1.2, 2, 0.5, 1)
+
+
+def test_perf_metrics_become_timing() -> None:
+    def td(s: float) -> datetime.timedelta:
+        return datetime.timedelta(seconds=s)
+
+    timing = SimpleNamespace(arrival_time=td(100.0), first_scheduled_time=td(100.010), first_token_time=td(100.050),
+                             last_token_time=td(100.250))  # fmt: skip
+    result = SimpleNamespace(request_perf_metrics=SimpleNamespace(timing_metrics=timing))
+    live = SimpleNamespace(token_times=[100.06, 100.11, 100.16, 100.21, 100.26], arrival=99.9)
+    t = TrtllmBackend._timing(None, result, live, now=100.3)
+    assert t.source == "engine"
+    assert t.queue_ms == pytest.approx(10) and t.prefill_ms == pytest.approx(40) and t.ttft_ms == pytest.approx(50)
+    assert t.decode_ms == pytest.approx(200) and t.tpot_ms == pytest.approx(50) and t.e2e_ms == pytest.approx(250)
+    assert t.itl_ms == pytest.approx((50, 50, 50, 50))
+    edge = TrtllmBackend._timing(None, SimpleNamespace(request_perf_metrics=None), live, now=100.3)
+    assert edge.source == "edge" and edge.ttft_ms == pytest.approx(160) and edge.e2e_ms == pytest.approx(400)
+
+
+# ---- serving over gRPC ----------------------------------------------------------------------------------------
+
+
+def _req(prompt: str = "Hello there", max_tokens: int = 16, **kw) -> llm_pb2.GenerateRequest:
+    return llm_pb2.GenerateRequest(
+        prompt=prompt,
+        sampling=llm_pb2.SamplingParams(temperature=0),
+        stopping=llm_pb2.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
+        **kw,
+    )
+
+
+def _collect(stub, req, **kw):
+    ids, text, complete = [], "", None
+    for resp in stub.Generate(req, **kw):
+        if resp.HasField("chunk"):
+            ids += resp.chunk.token_ids
+            text += resp.chunk.text
+        else:
+            complete = resp.complete
+    return ids, text, complete
+
+
+def _wait_idle(srv, within: float = 3.0) -> None:
+    core = srv.server.backend.executor.core
+    deadline = time.monotonic() + within
+    while core.scheduler.requests or core.kv.pool.num_used_blocks or srv.server.backend.num_in_flight:
+        assert time.monotonic() < deadline, "the executor kept requests or KV blocks"
+        time.sleep(0.02)
+
+
+def test_streams_equal_the_native_engine_on_the_same_weights(double, engine: Path) -> None:
+    native_dir = next(engine.glob(".double-native-rank0"))  # our engine of the same fp16 export
+    with running_server(engine) as trt, running_server(native_dir) as native:
+        for prompt in ("Hello there", "The capital of France", "1 2 3 4"):
+            a = _collect(trt.stub(), _req(prompt, 24))
+            b = _collect(native.stub(), _req(prompt, 24))
+            assert a[0] == b[0] and a[1] == b[1] and len(a[0]) == 24
+            assert a[2].finish_reason == llm_pb2.FINISH_REASON_LENGTH and a[2].usage.completion_tokens == 24
+            assert a[2].timing.ttft_ms > 0 and a[2].timing.tpot_ms > 0
+        info = trt.stub().GetModelInfo(llm_pb2.GetModelInfoRequest())
+        assert info.backend == "trtllm" and info.dtype == "float16" and info.max_seq_len == 512
+
+
+def test_stop_strings_cancel_in_the_executor(double, engine: Path) -> None:
+    with running_server(engine) as srv:
+        _, text, _ = _collect(srv.stub(), _req(max_tokens=30))
+        stop = text[4:7]
+        req = _req(max_tokens=30)
+        req.stopping.stop.append(stop)
+        double.recorder.clear()
+        _, cut, complete = _collect(srv.stub(), req)
+        assert cut == text[: text.index(stop)] and complete.stop_string == stop
+        assert complete.finish_reason == llm_pb2.FINISH_REASON_STOP
+        assert double.recorder.called(f"{EXECUTOR}.Executor.cancel_request")
+        _wait_idle(srv)
+
+
+def test_error_response_is_unavailable_and_the_backend_stays_healthy(double, engine: Path) -> None:
+    with running_server(engine) as srv:
+        srv.server.backend.executor.fail_next_request("[TensorRT-LLM][ERROR] injected")
+        with pytest.raises(grpc.RpcError) as err:
+            _collect(srv.stub(), _req(request_id="bad-one"))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "bad-one" in err.value.details()
+        assert "injected" not in err.value.details()
+        assert len(_collect(srv.stub(), _req(max_tokens=5))[0]) == 5 and srv.server.backend.is_healthy
+
+
+def test_cancel_and_deadline_cancel_in_the_executor(double, engine: Path) -> None:
+    with running_server(engine) as srv:
+        double.recorder.clear()
+        call = srv.stub().Generate(_req(max_tokens=400))
+        next(call)
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as err:
+            _collect(srv.stub(), _req(max_tokens=450), timeout=0.3)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        _wait_idle(srv)
+        assert len(double.recorder.called(f"{EXECUTOR}.Executor.cancel_request")) >= 2
+
+
+def test_unsupported_fields_are_refused(double, engine: Path) -> None:
+    with running_server(engine) as srv:
+        for req, field in ((_req(output=llm_pb2.OutputOptions(logprobs=3)), "output.logprobs"),
+                           (_req(priority=2), "priority")):  # fmt: skip
+            with pytest.raises(grpc.RpcError) as err:
+                _collect(srv.stub(), req)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+        ids, _, _ = _collect(srv.stub(), _req(max_tokens=4, output=llm_pb2.OutputOptions(logprobs=0)))
+        assert len(ids) == 4
+
+
+def test_gauges_come_from_iteration_stats(double, engine: Path) -> None:
+    with running_server(engine) as srv:
+        call = srv.stub().Generate(_req(max_tokens=400))
+        next(call)
+        deadline = time.monotonic() + 3
+        while srv.metric("llm_kv_cache_blocks_used") == 0 or srv.metric("llm_num_requests_running") == 0:
+            assert time.monotonic() < deadline, "gauges never moved"
+            time.sleep(0.05)
+        assert srv.metric("llm_kv_cache_blocks_total") == 256
+        call.cancel()
+        _wait_idle(srv)
+        deadline = time.monotonic() + 3
+        while srv.metric("llm_kv_cache_blocks_used") or srv.metric("llm_num_requests_running"):
+            assert time.monotonic() < deadline, "gauges stuck after the cancel"
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("policy", ["exit", "recover"])
+def test_a_dead_executor_fails_every_stream_then_the_policy(double, engine: Path, policy: str) -> None:
+    with running_server(engine, on_engine_error=policy) as srv:
+        calls = [srv.stub().Generate(_req(f"stream {i}", max_tokens=400)) for i in range(3)]
+        for c in calls:
+            next(c)
+        srv.server.backend.executor.crash()
+        for c in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                list(c)
+            assert err.value.code() == grpc.StatusCode.INTERNAL  # they had streamed output
+        if policy == "exit":
+            deadline = time.monotonic() + 3
+            while srv.server.fatal is None:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert "executor" in srv.server.fatal
+        else:  # a new executor on the same engine
+            assert len(_collect(srv.stub(), _req(max_tokens=6))[0]) == 6 and srv.server.fatal is None
+
+
+def test_drain_cut_cancels_in_the_executor(double, engine: Path) -> None:
+    with running_server(engine) as srv:
+        double.recorder.clear()
+        call = srv.stub().Generate(_req(max_tokens=450))
+        next(call)
+        srv.run(srv.server.drain_and_stop(0.2))
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.ABORTED
+        assert double.recorder.called(f"{EXECUTOR}.Executor.cancel_request")
+        assert double.recorder.called(f"{EXECUTOR}.Executor.shutdown")
+
+
+# ---- conformance ------------------------------------------------------------------------------------------------
+
+
+def _exercise_everything(engine: Path, tmp: Path) -> None:
+    """Every path of the builder and the backend that calls into TensorRT-LLM."""
+    for options in (TrtllmOptions(), TrtllmOptions(weight_only="int4"), TrtllmOptions(tp_size=2)):
+        build("tiny-random", tmp / f"{options.weight_only}-{options.tp_size}", LIMITS, progress=False,
+              backend="trtllm", trtllm=options)  # fmt: skip
+
+    async def serve() -> None:
+        backend = TrtllmBackend(
+            BackendConfig(engine_dir=str(engine), trtllm=TrtllmConfig(scheduler_policy="max_utilization"))
+        )
+        backend.start(lambda healthy: None, lambda reason: None)
+        kinds = [SamplingParams(max_tokens=3, temperature=0, stop_token_ids=(7,), min_tokens=1),
+                 SamplingParams(max_tokens=3, temperature=0.8, top_k=4, top_p=0.9, min_p=0.05, seed=1,
+                                repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1, logprobs=0),
+                 SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)]  # fmt: skip
+        for sampling in kinds:
+            [o async for o in backend.generate(GenerateRequest("x", [5, 6], sampling))]
+        stream = backend.generate(GenerateRequest("c", [5, 6], SamplingParams(max_tokens=200, ignore_eos=True)))
+        await stream.__anext__()
+        await stream.aclose()  # cancel_request
+        await asyncio.sleep(0.3)  # a stats poll
+        await backend.shutdown(2)
+
+    asyncio.run(serve())
+
+
+def test_everything_our_code_touches_exists_in_the_real_surface(double, engine: Path, tmp_path: Path) -> None:
+    double.recorder.seen.clear()
+    _exercise_everything(engine, tmp_path)
+    touched = set(double.recorder.seen)
+    unknown = sorted(n for n in touched if n not in known_names())
+    assert not unknown, f"not in the 1.2 surface nor the allow-list: {unknown}"
+    expected = {"tensorrt_llm.bindings.executor.Request(stop_words=)", "tensorrt_llm.BuildConfig(plugin_config=)",
+                "tensorrt_llm.Mapping(tp_size=)", "tensorrt_llm.models.modeling_utils.QuantConfig(quant_algo=)",
+                "tensorrt_llm.bindings.executor.Executor.cancel_request",
+                "tensorrt_llm.bindings.executor.Executor.get_latest_iteration_stats",
+                "tensorrt_llm.bindings.executor.SamplingConfig(min_p=)"}  # fmt: skip
+    assert expected <= touched  # the exercise really went through these paths
+    top_level = {n for n in touched if n.count(".") == 1 and "(" not in n}
+    assert top_level - set(SURFACE) - set(PARTIAL) <= set(ALLOW_LIST)
+
+
+def test_the_double_is_the_surface(double) -> None:
+    ex = double.executor
+    for qualname, entry in SURFACE.items():
+        if qualname.startswith("_") or entry["kind"] not in ("class", "enum"):
+            continue
+        module, _, name = qualname.rpartition(".")
+        owner = double.modules.get(module) or getattr(
+            double.modules[module.rpartition(".")[0]], module.rpartition(".")[2]
+        )
+        obj = getattr(owner, name)
+        if entry["kind"] == "enum":
+            assert [m.name for m in obj] == entry["members"], qualname
+        elif entry.get("init"):
+            assert inspect.signature(obj) == signature(entry["init"]), qualname
+    with pytest.raises(TypeError):
+        ex.Request([1, 2], 5, max_new_tokens=3)  # the typo the issue names
+    with pytest.raises(TypeError):
+        ex.SamplingConfig(1, 5)  # top_k is keyword-only
+    with pytest.raises(AttributeError):
+        ex.FinishReason.STOPPED  # noqa: B018
+
+
+def test_backend_runs_in_an_event_loop_without_grpc(double, engine: Path) -> None:
+    async def main() -> list:
+        backend = TrtllmBackend(BackendConfig(engine_dir=str(engine), admission=AdmissionConfig(max_queue=4)))
+        backend.start(lambda healthy: None, lambda reason: None)
+        outs = [
+            o async for o in backend.generate(GenerateRequest("x", [5, 6], SamplingParams(max_tokens=3, temperature=0)))
+        ]
+        await backend.shutdown(2)
+        return outs
+
+    outs = asyncio.run(main())
+    assert sum(len(o.new_token_ids) for o in outs) == 3 and outs[-1].finished and outs[-1].timing.source == "engine"
