@@ -44,6 +44,24 @@ class ServerThread:
         self._thread.join(10)
 
     @property
+    def core(self):
+        """The native EngineCore that generates: the native backend's, or the one inside the TensorRT-LLM double."""
+        backend = self.server.backend
+        return backend.core if hasattr(backend, "core") else backend.executor.core
+
+    def break_engine(self) -> None:
+        """Make the engine fail the way each backend fails: a step raising, or the executor dying."""
+        backend = self.server.backend
+        if hasattr(backend, "core"):
+
+            def broken(batch):
+                raise RuntimeError("simulated device fault")
+
+            backend.core.runner.execute = broken
+        else:
+            backend.executor.crash()
+
+    @property
     def target(self) -> str:
         return f"127.0.0.1:{self.server.port}"
 

@@ -20,13 +20,25 @@ from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 from service.request import MAX_LOGPROBS
 from tests.engines import build_tiny
 from tests.servers import ServerThread, make_config, running_server
+from tests.trtllm_double import installed
 
 VOCAB = 267
 
 
+@pytest.fixture(scope="module", params=["native", "trtllm"])
+def backend(request: pytest.FixtureRequest):
+    """Every test here runs against the native backend and against the TensorRT-LLM backend over its test double."""
+    if request.param == "trtllm":
+        with installed():
+            yield request.param
+    else:
+        yield request.param
+
+
 @pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny(tmp_path_factory, "tiny-service", max_batch_size=16, max_num_tokens=64, max_seq_len=1024)
+def engine_dir(backend: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    limits = {"max_batch_size": 16, "max_num_tokens": 64, "max_seq_len": 1024}
+    return build_tiny(tmp_path_factory, f"tiny-service-{backend}", backend=backend, **limits)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +71,7 @@ def _collect(stub, req, **kw) -> tuple[list[llm_pb2.Chunk], llm_pb2.Complete]:
 
 def _idle(server: ServerThread, within: float = 1.0) -> bool:
     deadline = time.monotonic() + within
-    core = server.server.backend.core
+    core = server.core
     while time.monotonic() < deadline:
         if not core.scheduler.requests and server.metric("llm_kv_cache_blocks_used") == 0:
             return server.server.backend.num_in_flight == 0 and core.kv.pool.num_used_blocks == 0
@@ -88,22 +100,23 @@ def test_stream_usage_and_timers(server: ServerThread) -> None:
     assert complete.request_id and complete.usage.prompt_tokens > 0
 
 
-def test_stop_string_and_logprobs(server: ServerThread) -> None:
+def test_stop_string_and_logprobs(server: ServerThread, backend: str) -> None:
     stub = server.stub()
     chunks, _ = _collect(stub, _req(max_tokens=30))
     text = "".join(c.text for c in chunks)
     stop = text[5:8]
-    req = _req(max_tokens=30, output=llm_pb2.OutputOptions(logprobs=3))
+    top = 3 if backend == "native" else 0  # TensorRT-LLM returns the chosen token's log-probability only
+    req = _req(max_tokens=30, output=llm_pb2.OutputOptions(logprobs=top))
     req.stopping.stop.append(stop)
     chunks, complete = _collect(stub, req)
     assert "".join(c.text for c in chunks) == text[: text.index(stop)]
     assert complete.finish_reason == llm_pb2.FINISH_REASON_STOP and complete.stop_string == stop
     lps = [lp for c in chunks for lp in c.logprobs]
-    assert len(lps) == complete.usage.completion_tokens and all(len(lp.top) == 3 for lp in lps)
+    assert len(lps) == complete.usage.completion_tokens and all(len(lp.top) == top for lp in lps)
     assert all(lp.chosen.logprob <= 0 for lp in lps)
 
 
-def test_chat_token_ids_and_tokenize(server: ServerThread) -> None:
+def test_chat_token_ids_and_tokenize(server: ServerThread, backend: str) -> None:
     stub = server.stub()
     messages = llm_pb2.ChatMessages(messages=[llm_pb2.ChatMessage(role="user", content="hi")])
     tok = stub.Tokenize(llm_pb2.TokenizeRequest(messages=messages))
@@ -118,7 +131,7 @@ def test_chat_token_ids_and_tokenize(server: ServerThread) -> None:
     _, by_ids = _collect(stub, ids_req)
     assert by_chat.usage.prompt_tokens == by_ids.usage.prompt_tokens == len(tok.token_ids)
     info = stub.GetModelInfo(llm_pb2.GetModelInfoRequest())
-    assert info.model_name == "tiny-random" and info.backend == "native" and info.vocab_size == VOCAB
+    assert info.model_name == "tiny-random" and info.backend == backend and info.vocab_size == VOCAB
     assert info.max_seq_len == 1024 and info.has_chat_template and info.num_kv_blocks > 0
 
 
@@ -184,8 +197,7 @@ def test_validation_matrix(server: ServerThread, case: str) -> None:
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
     assert elapsed < 0.05, f"{elapsed * 1e3:.1f} ms"
-    core = server.server.backend.core
-    assert not core.scheduler.requests and server.server.backend.num_in_flight == 0
+    assert not server.core.scheduler.requests and server.server.backend.num_in_flight == 0
 
 
 def test_invalid_utf8_and_garbage_bytes(server: ServerThread) -> None:
@@ -295,13 +307,14 @@ def test_health_starts_not_serving_then_serving(engine_dir: Path, monkeypatch: p
         srv.stop()
 
 
-def test_slow_reader_does_not_slow_the_others(server: ServerThread) -> None:
+def test_slow_reader_does_not_slow_the_others(server: ServerThread, backend: str) -> None:
     stub = server.stub()
     baseline_start = time.perf_counter()
     _collect(stub, _req(max_tokens=200))
     baseline = time.perf_counter() - baseline_start
     # nobody reads this stream for a while; top-20 logprobs make it ~200 KB, past HTTP/2's 64 KB stream window
-    slow = stub.Generate(_req(prompt="never read", max_tokens=900, output=llm_pb2.OutputOptions(logprobs=20)))
+    top = 20 if backend == "native" else 0
+    slow = stub.Generate(_req(prompt="never read", max_tokens=900, output=llm_pb2.OutputOptions(logprobs=top)))
     time.sleep(0.05)
     start = time.perf_counter()
     with ThreadPoolExecutor(4) as pool:
@@ -311,7 +324,7 @@ def test_slow_reader_does_not_slow_the_others(server: ServerThread) -> None:
     assert tokens == 900  # merged while the reader lagged, nothing lost
 
 
-def test_metrics_exposition_names(server: ServerThread) -> None:
+def test_metrics_exposition_names(server: ServerThread, backend: str) -> None:
     _collect(server.stub(), _req(max_tokens=4))
     import urllib.request
 
@@ -332,11 +345,15 @@ def test_metrics_exposition_names(server: ServerThread) -> None:
         "llm_generation_tokens_total",
         "llm_num_preemptions_total",
         'llm_requests_total{code="OK"}',
-        'llm_step_duration_seconds_bucket{le="0.001",phase="decode"}',
     ):
         assert name in text, name
+    if backend == "native":  # engine steps are the native engine's own
+        assert 'llm_step_duration_seconds_bucket{le="0.001",phase="decode"}' in text
     assert 'le="0.0025"' in text  # buckets fine enough for sub-10 ms decode steps
-    assert server.metric("llm_kv_cache_blocks_total") == server.server.backend.core.sched_cfg.num_kv_blocks
+    deadline = time.monotonic() + 2  # the TensorRT-LLM backend learns its pool size from the executor's stats
+    while server.metric("llm_kv_cache_blocks_total") != server.core.sched_cfg.num_kv_blocks:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_reflection_lists_the_services(server: ServerThread) -> None:
@@ -384,12 +401,7 @@ def test_auth_token_on_every_method_but_health(engine_dir: Path, tmp_path: Path)
 
 def test_engine_failure_reports_unavailable_and_not_serving(engine_dir: Path) -> None:
     with running_server(engine_dir) as srv:
-        core = srv.server.backend.core
-
-        def broken(batch):
-            raise RuntimeError("simulated device fault")
-
-        core.runner.execute = broken
+        srv.break_engine()
         with pytest.raises(grpc.RpcError) as err:
             list(srv.stub().Generate(_req()))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # nothing was streamed yet

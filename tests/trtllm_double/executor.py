@@ -133,7 +133,7 @@ class ExecutorDouble(SurfaceObject):
         return None
 
     def _sampling(self, request: Any) -> SamplingParams:
-        c = request.sampling_config
+        c, o = request.sampling_config, request.output_config
         greedy = (c.top_k in (None, 0, 1)) and (c.top_p in (None, 0.0))  # TensorRT-LLM's regularizeTopKTopP
         return SamplingParams(
             max_tokens=request.max_tokens,
@@ -148,6 +148,7 @@ class ExecutorDouble(SurfaceObject):
             stop_token_ids=tuple(w[0] for w in request.stop_words or ()),
             ignore_eos=request.end_id == -1,
             min_tokens=c.min_tokens or 0,
+            logprobs=0 if o.return_log_probs else None,
             skip_special_tokens=False,
         )
 
