@@ -1,0 +1,134 @@
+"""TensorRT-LLM for real: build SmolLM2 into TensorRT-LLM engines and compare them with the native engine.
+
+Marked `gpu`: they need an NVIDIA GPU and tensorrt_llm 1.2.1 (docs/gpu.md) and are skipped, with the reason,
+everywhere else. They have not run yet (docs/gpu.md says so). Half precision cannot match float32 exactly, so:
+- greedy tokens must be identical up to the first position where the native engine's top-2 logit margin is
+  below MARGIN (there a rounding difference may legitimately flip the choice);
+- teacher-forced (the native greedy sequence fed back through one prefill with context logits), top-1
+  agreement must be >= 98% of the positions.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from build_engine.builder import build
+from build_engine.trtllm_builder import TrtllmOptions
+from protos.llm.v1 import llm_pb2
+from tests.servers import running_server
+
+MARGIN = 0.05
+AGREEMENT = 0.98
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2_golden.json").read_text())
+
+
+def _why_not() -> str | None:
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        return "tensorrt_llm is not installed (docs/gpu.md: the TensorRT-LLM 1.2.1 container)"
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no NVIDIA GPU is visible"
+    return None
+
+
+REASON = _why_not()
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
+
+
+@pytest.fixture(scope="module", params=["float16", "bfloat16"])
+def trt_engine(request, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("trt") / request.param
+    build("smollm2-135m", out, {"max_seq_len": 2048, "max_batch_size": 8, "max_num_tokens": 2048},
+          progress=False, backend="trtllm", trtllm=TrtllmOptions(dtype=request.param))  # fmt: skip
+    return out
+
+
+def _greedy(srv, ids: list[int], n: int, logprobs: int | None = None):
+    req = llm_pb2.GenerateRequest(
+        prompt_token_ids=llm_pb2.TokenIds(ids=ids),
+        sampling=llm_pb2.SamplingParams(temperature=0),
+        stopping=llm_pb2.StoppingParams(max_tokens=n, ignore_eos=True),
+    )
+    if logprobs is not None:
+        req.output.logprobs = logprobs
+    tokens, margins = [], []
+    for resp in srv.stub().Generate(req):
+        if resp.HasField("chunk"):
+            tokens += resp.chunk.token_ids
+            margins += [lp.top[0].logprob - lp.top[1].logprob for lp in resp.chunk.logprobs]
+    return tokens, margins
+
+
+def test_greedy_tokens_match_the_native_engine_until_a_near_tie(trt_engine: Path, smollm2_engine_dir: Path) -> None:
+    with running_server(trt_engine) as trt, running_server(smollm2_engine_dir) as native:
+        for case in GOLDEN["cases"]:
+            ids, n = case["prompt_token_ids"], GOLDEN["num_tokens"]
+            ours, margins = _greedy(native, ids, n, logprobs=2)  # top-2 logprob gap == top-2 logit gap
+            theirs, _ = _greedy(trt, ids, n)
+            first_tie = next((i for i, m in enumerate(margins) if m < MARGIN), n)
+            assert theirs[:first_tie] == ours[:first_tie], (case["name"], first_tie)
+
+
+def test_teacher_forced_top1_agreement(trt_engine: Path, smollm2_engine_dir: Path) -> None:
+    import tensorrt_llm.bindings.executor as trtllm
+
+    ctx = trt_engine.parent / f"{trt_engine.name}-context-logits"
+    if not ctx.exists():  # context logits must be gathered at build time
+        import build_engine.trtllm_builder as tb
+
+        original = tb.build_trtllm
+
+        def with_logits(source, config, options, out):
+            import tensorrt_llm
+
+            real_build = tensorrt_llm.BuildConfig
+
+            def build_config(**kw):
+                return real_build(**kw, gather_context_logits=True)
+
+            tensorrt_llm.BuildConfig = build_config
+            try:
+                return original(source, config, options, out)
+            finally:
+                tensorrt_llm.BuildConfig = real_build
+
+        tb.build_trtllm = with_logits
+        try:
+            build("smollm2-135m", ctx, {"max_seq_len": 2048, "max_batch_size": 8, "max_num_tokens": 2048},
+                  progress=False, backend="trtllm", trtllm=TrtllmOptions(dtype=trt_engine.name))  # fmt: skip
+        finally:
+            tb.build_trtllm = original
+    executor = trtllm.Executor(str(ctx), trtllm.ModelType.DECODER_ONLY, trtllm.ExecutorConfig(max_beam_width=1))
+    agree = total = 0
+    with running_server(smollm2_engine_dir) as native:
+        for case in GOLDEN["cases"]:
+            prompt = case["prompt_token_ids"]
+            ours, _ = _greedy(native, prompt, GOLDEN["num_tokens"])
+            seq = prompt + ours
+            rid = executor.enqueue_request(trtllm.Request(
+                input_token_ids=seq, max_tokens=1,
+                output_config=trtllm.OutputConfig(return_context_logits=True, exclude_input_from_output=True),
+            ))  # fmt: skip
+            result = next(r for r in executor.await_responses(rid) if r.result.is_final).result
+            logits = np.asarray(result.context_logits.float().cpu())  # [len(seq), vocab]
+            predicted = logits[len(prompt) - 1 : len(seq) - 1].argmax(-1)
+            agree += int((predicted == np.asarray(ours)).sum())
+            total += len(ours)
+    executor.shutdown()
+    assert agree / total >= AGREEMENT, f"teacher-forced top-1 agreement {agree}/{total}"
+
+
+def test_served_through_grpc(trt_engine: Path) -> None:
+    with running_server(trt_engine) as srv:
+        info = srv.stub().GetModelInfo(llm_pb2.GetModelInfoRequest())
+        assert info.backend == "trtllm" and info.num_kv_blocks > 0
+        tokens, _ = _greedy(srv, GOLDEN["cases"][0]["prompt_token_ids"], 16)
+        assert len(tokens) == 16
