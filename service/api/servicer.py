@@ -18,7 +18,7 @@ import grpc
 
 from protos.llm.v1 import llm_pb2
 from service.api.metrics import ServiceMetrics
-from service.api.status import status_for
+from service.api.status import status_for, unary_errors
 from service.api.validation import TextLimits, chat_messages, check_fields, parse, prompt_ids
 from service.backends.base import Backend, BackendInfo
 from service.errors import DeadlineExceeded, EngineUnavailable, InvalidRequest, Overloaded, ServerShutdown
@@ -154,26 +154,20 @@ class LLMServicer:
         finally:
             self.metrics.rpc_finished(code.name)
 
+    @unary_errors
     async def Tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.TokenizeResponse:
-        try:
-            with self._slot():
-                backend = self._ready()
-                req = parse(llm_pb2.TokenizeRequest, raw)
-                limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
-                return await self._off_loop(tokenize, req, backend.tokenizer, limits)
-        except Exception as exc:
-            code, message = status_for(exc, None)
-            await context.abort(code, message)
+        with self._slot():
+            backend = self._ready()
+            req = parse(llm_pb2.TokenizeRequest, raw)
+            limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
+            return await self._off_loop(tokenize, req, backend.tokenizer, limits)
 
+    @unary_errors
     async def GetModelInfo(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.ModelInfo:
-        try:
-            with self._slot():
-                backend = self._ready()
-                parse(llm_pb2.GetModelInfoRequest, raw)
-                return model_info(backend, self.max_active_rpcs)
-        except Exception as exc:
-            code, message = status_for(exc, None)
-            await context.abort(code, message)
+        with self._slot():
+            backend = self._ready()
+            parse(llm_pb2.GetModelInfoRequest, raw)
+            return model_info(backend, self.max_active_rpcs)
 
 
 def _log_finished(request_id: str, out: RequestOutput, sent: int) -> None:

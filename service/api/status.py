@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -16,6 +19,7 @@ from service.errors import (
 )
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 _CODES = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -41,3 +45,19 @@ def status_for(exc: BaseException, request_id: str | None, tokens_sent: int = 0)
         )
     logger.error("request %s failed", request_id, exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})"
+
+
+def unary_errors(handler: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """Decorate a unary grpc.aio handler (self, request, context): any exception it raises ends the RPC with
+    the code status_for() gives (streaming handlers, which also count what they sent, call status_for)."""
+
+    @functools.wraps(handler)
+    async def wrapped(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+        try:
+            return await handler(self, request, context)
+        except Exception as exc:
+            code, message = status_for(exc, None)
+            await context.abort(code, message)
+            raise  # unreachable: abort() raises
+
+    return wrapped
