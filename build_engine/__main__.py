@@ -11,10 +11,11 @@ import sys
 import time
 
 from build_engine.builder import NAMED_MODELS, build, export
+from build_engine.quantize import INT4_GROUP_SIZES, WEIGHT_ONLY, WeightPlan
 from build_engine.source import BuildError
 from build_engine.spec import BACKEND_DTYPES, BuildLimits, EngineFormatError
 from build_engine.tensor_io import WRITE_DTYPES
-from build_engine.trtllm_builder import WEIGHT_ONLY_ALGOS, TrtllmOptions
+from build_engine.trtllm_builder import TrtllmOptions
 
 DEFAULTS = BuildLimits()
 TRTLLM = TrtllmOptions()
@@ -60,9 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          help=f"native: {'|'.join(BACKEND_DTYPES['native'])} (default); trtllm: "
                          f"{'|'.join(BACKEND_DTYPES['trtllm'])} (default {TRTLLM.dtype}); --format hf: "
                          f"{'|'.join(WRITE_DTYPES)} (default float32)")  # fmt: skip
-    weights.add_argument("--weight-only", default="none", choices=["none", *WEIGHT_ONLY_ALGOS],
-                         help="trtllm: none, int8 (W8A16) or int4 (W4A16) per-channel weight-only quantization; "
-                         "native: none (the float32 engine)")  # fmt: skip
+    weights.add_argument("--weight-only", default=None, choices=list(WEIGHT_ONLY),
+                         help="native: auto (default: a GGUF's Q4_0/Q4_1/Q8_0 blocks kept as they are, exact; "
+                         "other inputs float32), none (float32), int8 (per output channel), int4 (groups of "
+                         "--int4-group-size; LM head int8); trtllm: none (default), int8 (W8A16) or int4 "
+                         "(W4A16, per channel)")  # fmt: skip
+    weights.add_argument("--int4-group-size", type=int, default=32, choices=list(INT4_GROUP_SIZES),
+                         help="native --weight-only int4: weights per scale and minimum")  # fmt: skip
     parallel = p.add_argument_group("parallelism (trtllm only; native: 1)")
     parallel.add_argument("--tp-size", type=int, default=1, help="tensor-parallel GPUs")
     parallel.add_argument("--pp-size", type=int, default=1, help="pipeline-parallel GPUs")
@@ -72,8 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _check_native(args: argparse.Namespace) -> None:
-    only_trtllm = {"--max-input-len": args.max_input_len is not None, "--weight-only": args.weight_only != "none",
-                   "--tp-size": args.tp_size != 1, "--pp-size": args.pp_size != 1}  # fmt: skip
+    only_trtllm = {"--max-input-len": args.max_input_len is not None, "--tp-size": args.tp_size != 1,
+                   "--pp-size": args.pp_size != 1}  # fmt: skip
     used = [flag for flag, set_ in only_trtllm.items() if set_]
     if used:
         raise BuildError(f"{', '.join(used)}: for --backend trtllm only (the native engine is one float32 process)")
@@ -94,19 +99,23 @@ def run(args: argparse.Namespace) -> str:
         "kv_block_size": args.kv_block_size,
         "dtype": dtype,
     }
-    trtllm = None
+    trtllm = weights = None
     if args.backend == "trtllm":
-        trtllm = TrtllmOptions(dtype, args.weight_only, args.max_input_len, args.tp_size, args.pp_size)
+        if args.weight_only == "auto":
+            raise BuildError("--weight-only auto is native only (trtllm: none, int8, int4)")
+        trtllm = TrtllmOptions(dtype, args.weight_only or "none", args.max_input_len, args.tp_size, args.pp_size)
     else:
         _check_native(args)
-    result = build(args.model, args.output, limits, args.force, not args.no_progress, args.backend, trtllm)
+        weights = WeightPlan(args.weight_only or "auto", args.int4_group_size)
+    result = build(args.model, args.output, limits, args.force, not args.no_progress, args.backend, trtllm, weights)
     config = result.config
     if result.skipped:
         return (f"engine {args.output} is up to date (same model input and build settings, every file matches its "
                 "manifest checksum): skipping the build")  # fmt: skip
     arch = config.arch
     return (
-        f"built {config.model_name} ({args.backend}, {dtype}) -> {args.output} in {time.perf_counter() - start:.1f}s: "
+        f"built {config.model_name} ({args.backend}, {dtype}, weights {config.weight_format}) -> {args.output} in "
+        f"{time.perf_counter() - start:.1f}s: "
         f"{arch.num_hidden_layers} layers, hidden {arch.hidden_size}, heads {arch.num_attention_heads}/"
         f"{arch.num_key_value_heads}, vocab {arch.vocab_size}, max_seq_len {config.limits.max_seq_len}"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -16,14 +17,17 @@ from typing import Any
 from safetensors.numpy import save_file
 
 from build_engine import spec
-from build_engine.convert import engine_tensors
+from build_engine.convert import engine_tensors, weight_format
 from build_engine.gguf_source import load_gguf, smollm2_gguf_path
 from build_engine.hf_export import export_hf
 from build_engine.hf_source import load_hf_dir
+from build_engine.quantize import WeightPlan
 from build_engine.source import BuildError, ModelSource, check_tensors
 from build_engine.spec import BACKEND_DTYPES, BuildLimits, EngineConfig, EngineFormatError, TokenizerIds
 from build_engine.tiny import write_tiny_checkpoint
 from build_engine.trtllm_builder import TrtllmOptions, build_trtllm, preflight
+
+logger = logging.getLogger(__name__)
 
 NAMED_MODELS = ("smollm2-135m", "tiny-random")
 
@@ -122,9 +126,11 @@ def is_current(output: Path, config: EngineConfig, settings: dict[str, Any] | No
         return False
 
 
-def _write_files(out: Path, source: ModelSource, config: EngineConfig, progress: bool) -> None:
-    tensors = dict(engine_tensors(source, progress=progress))
-    save_file(tensors, str(out / spec.WEIGHTS_FILE), metadata={"format": spec.FORMAT_NAME})
+def _write_files(out: Path, source: ModelSource, config: EngineConfig, plan: WeightPlan, progress: bool) -> None:
+    packed: dict = {}
+    tensors = dict(engine_tensors(source, progress=progress, plan=plan, meta=packed))
+    metadata = {"format": spec.FORMAT_NAME, "packed": json.dumps(packed, sort_keys=True)}
+    save_file(tensors, str(out / spec.WEIGHTS_FILE), metadata=metadata)
     os.chmod(out / spec.WEIGHTS_FILE, 0o644)  # safetensors creates it owner-only
     del tensors
     (out / spec.CONFIG_FILE).write_text(config.to_json())
@@ -155,6 +161,7 @@ def build(
     progress: bool = True,
     backend: str = "native",
     trtllm: TrtllmOptions | None = None,
+    weights: WeightPlan | None = None,
 ) -> BuildResult:
     """Build an engine for `model` into `output` (backend native or trtllm); nothing is left behind at `output`
     on failure.
@@ -174,7 +181,11 @@ def build(
     _check_output(output)
     with resolve_model(model) as source:
         check_tensors(source)
-        config = dataclasses.replace(_engine_config(source, limits or {}), backend=backend)
+        plan = weights or (WeightPlan("none") if backend == "trtllm" else WeightPlan())
+        config = dataclasses.replace(
+            _engine_config(source, limits or {}), backend=backend,
+            weight_format=weight_format(source, plan) if backend == "native" else config_weights(trtllm),
+        )  # fmt: skip
         if config.limits.dtype not in BACKEND_DTYPES[backend]:
             raise BuildError(f"--dtype {config.limits.dtype} is not a {backend} dtype (choose from "
                              f"{', '.join(BACKEND_DTYPES[backend])})")  # fmt: skip
@@ -182,16 +193,19 @@ def build(
         if output.exists() and not force:
             if is_current(output, config, settings):
                 return BuildResult(config, skipped=True)
-            raise BuildError(
-                f"output directory {output} already holds a different engine (other input or settings, or "
-                "damaged); use --force to replace it"
-            )
+            if not _same_input(output, config):
+                raise BuildError(
+                    f"output directory {output} holds something else than an engine of this model (another input, "
+                    "or not an engine); use --force to replace it"
+                )
+            logger.info("%s holds an engine of this model with other settings, an older format, or damaged "
+                        "files: rebuilding it", output)  # fmt: skip
 
         def write(tmp: Path) -> None:
             if backend == "trtllm":
                 _write_trtllm(tmp, source, config, trtllm)
             else:
-                _write_files(tmp, source, config, progress)
+                _write_files(tmp, source, config, plan, progress)
 
         _atomically(output, write)
     return BuildResult(config, skipped=False)
@@ -207,6 +221,21 @@ def export(model: str, output: str | Path, dtype: str = "float32", force: bool =
         check_tensors(source)
         _atomically(output, lambda tmp: export_hf(source, tmp, dtype))
     return source
+
+
+def config_weights(trtllm: TrtllmOptions | None) -> str:
+    options = trtllm or TrtllmOptions()
+    return options.dtype if options.weight_only == "none" else f"{options.weight_only} weight-only"
+
+
+def _same_input(output: Path, config: EngineConfig) -> bool:
+    """An engine of ours built from the same model input (same checksum), whatever its settings or format."""
+    try:
+        manifest = json.loads((output / spec.MANIFEST_FILE).read_text())
+        engine = manifest.get("engine") or json.loads((output / spec.CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return engine.get("format") == spec.FORMAT_NAME and engine.get("source") == config.source
 
 
 def _check_output(output: Path) -> None:

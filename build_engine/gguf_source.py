@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 
 from build_engine.gguf_tokenizer import GGUFVocab, UnsupportedTokenizer, build_tokenizer
+from build_engine.packing import GGML_TYPE_NAMES, unpermute_rows
 from build_engine.source import (
     EMBED,
     FINAL_NORM,
@@ -148,6 +149,18 @@ def load_gguf(path: Path, name: str) -> ModelSource:
             w = unpermute_qk(w, arch.num_key_value_heads)
         return w
 
+    def get_raw(hf_name: str) -> tuple[np.ndarray, str] | None:
+        t = tensors[from_hf[hf_name]]
+        fmt = GGML_TYPE_NAMES.get(int(t.tensor_type))
+        if fmt is None:
+            return None
+        raw = np.asarray(t.data, dtype=np.uint8)  # [rows, n_blocks * block_bytes]
+        if hf_name.endswith("q_proj.weight"):  # the same row permutation as unpermute_qk, on whole block rows
+            raw = raw[unpermute_rows(raw.shape[0], arch.num_attention_heads)]
+        elif hf_name.endswith("k_proj.weight"):
+            raw = raw[unpermute_rows(raw.shape[0], arch.num_key_value_heads)]
+        return raw, fmt
+
     def token(key: str) -> tuple[int | None, str | None]:
         i = _field(reader, f"tokenizer.ggml.{key}_token_id")
         return (None, None) if i is None else (int(i), vocab.tokens[int(i)])
@@ -168,4 +181,5 @@ def load_gguf(path: Path, name: str) -> ModelSource:
         pad_token_id=pad_id,
         chat_template=_field(reader, "tokenizer.chat_template"),
         info={"kind": "gguf", "file": path.name, "sha256": sha256_file(path)},
+        get_raw=get_raw,
     )

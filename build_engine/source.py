@@ -42,6 +42,9 @@ class ModelSource:
     pad_token_id: int | None
     chat_template: str | None
     info: dict[str, Any] = field(default_factory=dict)  # recorded as config.json "source"
+    # HF name -> (raw uint8 blocks [rows, n_blocks * block_bytes], "q4_0" | "q4_1" | "q8_0") for tensors stored
+    # in a block format the native kernels read, with the same row order as get_tensor; None otherwise
+    get_raw: Callable[[str], tuple[np.ndarray, str] | None] | None = None
 
 
 def layer_tensor_names(i: int) -> dict[str, str]:

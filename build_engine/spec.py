@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 FORMAT_NAME = "llm-grpc-serving/engine"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: weights may be packed quantized blocks (model.safetensors metadata "packed")
+READABLE_VERSIONS = (1, 2)  # 1: every weight fp32 with the norm gains folded in (read as such)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
@@ -122,12 +123,15 @@ class EngineConfig:
     tokenizer: TokenizerIds
     backend: str = "native"
     source: dict[str, Any] = field(default_factory=dict)  # where the weights came from (kind, name, sha256)
+    # how the matrices are stored: "float32", or the packed block formats ("q4_1+q8_0", "int8", "int4-g32")
+    weight_format: str = "float32"
 
     def to_json(self) -> str:
         doc = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "backend": self.backend,
+            "weight_format": self.weight_format,
             "model_name": self.model_name,
             "architecture": dataclasses.asdict(self.arch),
             "build": dataclasses.asdict(self.limits),
@@ -145,7 +149,7 @@ class EngineConfig:
         if doc.get("format") != FORMAT_NAME:
             raise EngineFormatError(f"{CONFIG_FILE} is not an engine config (format={doc.get('format')!r})")
         version = doc.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise EngineFormatError(
                 f"engine format_version {version} is not supported by this code (reads {FORMAT_VERSION}); rebuild it"
             )
@@ -162,6 +166,7 @@ class EngineConfig:
                 ),
                 backend=doc.get("backend", "native"),
                 source=doc.get("source", {}),
+                weight_format=doc.get("weight_format", "float32"),
             )
         except (KeyError, TypeError) as exc:
             raise EngineFormatError(f"{CONFIG_FILE} is missing or has a malformed field: {exc}") from exc

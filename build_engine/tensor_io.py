@@ -23,6 +23,7 @@ _DTYPES = {
     "BF16": np.dtype("<u2"),  # widened to float32 by to_float32()
     "I64": np.dtype("<i8"),
     "I32": np.dtype("<i4"),
+    "U8": np.dtype("u1"),  # packed quantized blocks (build_engine/packing.py)
 }
 
 

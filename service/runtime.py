@@ -37,6 +37,7 @@ class BackendRuntime:
         self._on_health_change: Callable[[bool], None] | None = None
         self._on_fatal: Callable[[str], None] | None = None
         self._accepting = False
+        self._why_not = "starting"  # why new requests are refused while _accepting is False
         self._stopping = False
         self._dead: str | None = None
         self._busy_since: float | None = None  # set while the backend thread is inside a call that may hang
@@ -76,9 +77,10 @@ class BackendRuntime:
     def num_queued(self) -> int:
         return self.streams.num_queued
 
-    def stop_accepting(self) -> None:
+    def stop_accepting(self, why: str = "draining") -> None:
         """New requests get EngineUnavailable; requests in flight continue (graceful drain)."""
         self._accepting = False
+        self._why_not = why
 
     # ---- admission --------------------------------------------------------------------------------------
     def check_capacity(self) -> None:
@@ -90,7 +92,7 @@ class BackendRuntime:
         if self._dead is not None:
             raise EngineUnavailable(f"engine is not healthy: {self._dead}")
         if not self._accepting:
-            raise EngineUnavailable("engine is not accepting requests (starting or draining)")
+            raise EngineUnavailable(f"engine is not accepting requests ({self._why_not}); retry")
 
     def check_queue(self) -> None:
         if self.streams.num_queued >= self.admission.max_queue:

@@ -40,8 +40,14 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_LAYER_NAMES[rest.removesuffix('.weight')]}.weight"
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, arch: str = "llama", **overrides: object) -> dict[str, np.ndarray]:
-    """The tiny model as an F32 GGUF file written the way llama.cpp's converter writes one; returns HF weights."""
+def write_tiny_gguf(
+    path: Path, seed: int = 0, arch: str = "llama", quant: str | None = None, **overrides: object
+) -> dict[str, np.ndarray]:
+    """The tiny model as a GGUF file written the way llama.cpp's converter writes one; returns HF weights.
+
+    quant ("q4_0", "q4_1", "q8_0"): every matrix (embedding included) stored in that block format, as
+    llama.cpp's quantize tool would; the returned weights are then the dequantized values.
+    """
     cfg = tiny_config(**overrides)
     weights = tiny_weights(cfg, seed)
     w = gguf.GGUFWriter(str(path), arch)
@@ -71,7 +77,19 @@ def write_tiny_gguf(path: Path, seed: int = 0, arch: str = "llama", **overrides:
             tensor = llama_cpp_permute(hf_tensor, cfg["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             tensor = llama_cpp_permute(hf_tensor, cfg["num_key_value_heads"])
-        w.add_tensor(_gguf_name(name), np.ascontiguousarray(tensor))
+        tensor = np.ascontiguousarray(tensor, dtype=np.float32)
+        if quant is not None and tensor.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[quant.upper()]
+            blocks = gguf.quants.quantize(tensor, qtype)
+            w.add_tensor(_gguf_name(name), blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+            weights[name] = gguf.quants.dequantize(blocks, qtype).reshape(hf_tensor.shape)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):  # dequantized in the permuted order: undo
+                heads = cfg["num_attention_heads"] if name.endswith("q_proj.weight") else cfg["num_key_value_heads"]
+                from build_engine.gguf_source import unpermute_qk
+
+                weights[name] = unpermute_qk(weights[name], heads)
+            continue
+        w.add_tensor(_gguf_name(name), tensor)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -120,7 +120,7 @@ def test_llama3_rope_factors_keep_high_and_scale_low_frequencies() -> None:
     assert np.all(np.diff(f) >= 0)
 
 
-def test_existing_output_is_skipped_when_current_and_needs_force_otherwise(tmp_path: Path) -> None:
+def test_existing_output_is_skipped_when_current_rebuilt_for_new_settings_refused_otherwise(tmp_path: Path) -> None:
     out = tmp_path / "e"
     assert _run_cli("--model", "tiny-random", "--output", str(out)).returncode == 0
     mtime = (out / "model.safetensors").stat().st_mtime_ns
@@ -128,19 +128,25 @@ def test_existing_output_is_skipped_when_current_and_needs_force_otherwise(tmp_p
     assert again.returncode == 0 and "up to date" in again.stdout and "skipping the build" in again.stdout
     assert (out / "model.safetensors").stat().st_mtime_ns == mtime
     other = _run_cli("--model", "tiny-random", "--output", str(out), "--max-num-tokens", "128")
-    assert other.returncode == 2
-    assert other.stderr.strip().count("\n") == 0 and "different engine" in other.stderr
-    with open(out / "model.safetensors", "r+b") as f:  # one byte flipped in place: damaged, so not current
+    assert other.returncode == 0 and "rebuilding" in other.stderr  # same model, new settings: rebuilt
+    assert load_engine_config(out).limits.max_num_tokens == 128
+    with open(out / "model.safetensors", "r+b") as f:  # one byte flipped in place: damaged, so rebuilt
         f.seek(-1, 2)
         last = f.read(1)
         f.seek(-1, 2)
         f.write(bytes([last[0] ^ 0xFF]))
-    damaged = _run_cli("--model", "tiny-random", "--output", str(out))
-    assert damaged.returncode == 2 and "damaged" in damaged.stderr
-    forced = _run_cli("--model", "tiny-random", "--output", str(out), "--force", "--max-num-tokens", "128")
+    damaged = _run_cli("--model", "tiny-random", "--output", str(out), "--max-num-tokens", "128")
+    assert damaged.returncode == 0 and "rebuilding" in damaged.stderr and verify_manifest(out) is None
+    write_tiny_gguf(tmp_path / "other.gguf", seed=9)  # another model's engine is never replaced silently
+    refused = _run_cli("--model", str(tmp_path / "other.gguf"), "--output", str(out))
+    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0 and "--force" in refused.stderr
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not an engine")
+    assert _run_cli("--model", "tiny-random", "--output", str(tmp_path / "mine")).returncode == 2
+    forced = _run_cli("--model", "tiny-random", "--output", str(out), "--force", "--max-num-tokens", "64")
     assert forced.returncode == 0
-    assert load_engine_config(out).limits.max_num_tokens == 128
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["e"]  # no temp or old directories left
+    assert load_engine_config(out).limits.max_num_tokens == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e", "mine", "other.gguf"]  # no temp or old directories
 
 
 def _unsupported_arch(tmp: Path) -> Path:
@@ -251,5 +257,8 @@ def test_trtllm_build_without_tensorrt_llm_prints_one_line_and_writes_nothing(tm
     assert out.returncode == 2 and out.stderr.count("\n") == 1
     assert "tensorrt_llm" in out.stderr and "docs/gpu.md" in out.stderr
     assert not (tmp_path / "e").exists() and list(tmp_path.iterdir()) == []
-    native = _run_cli("--model", "tiny-random", "--output", str(tmp_path / "n"), "--weight-only", "int8")
-    assert native.returncode == 2 and "--weight-only" in native.stderr and not (tmp_path / "n").exists()
+    native = _run_cli("--model", "tiny-random", "--output", str(tmp_path / "n"), "--tp-size", "2")
+    assert native.returncode == 2 and "--tp-size" in native.stderr and not (tmp_path / "n").exists()
+    auto = _run_cli("--model", "tiny-random", "--output", str(tmp_path / "t"), "--backend", "trtllm", "--weight-only",
+                    "auto")  # fmt: skip
+    assert auto.returncode == 2 and not (tmp_path / "t").exists()

@@ -313,8 +313,17 @@ def test_a_dead_executor_fails_every_stream_then_the_policy(double, engine: Path
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             assert "executor" in srv.server.fatal
-        else:  # a new executor on the same engine
-            assert len(_collect(srv.stub(), _req(max_tokens=6))[0]) == 6 and srv.server.fatal is None
+        else:  # a new executor on the same engine; meanwhile UNAVAILABLE ("recovering"), which clients retry
+            deadline = time.monotonic() + 5
+            while True:
+                try:
+                    assert len(_collect(srv.stub(), _req(max_tokens=6))[0]) == 6
+                    break
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE and "recovering" in err.details()
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            assert srv.server.fatal is None
 
 
 def test_drain_cut_cancels_in_the_executor(double, engine: Path) -> None:

@@ -341,6 +341,8 @@ class TrtllmBackend(BackendRuntime):
                 continue
             if not responses:
                 continue
+            if not self._stats.kv_blocks_total:  # the pool's size is known once the executor has iterated
+                self._poll_once()
             with self._lock:
                 outputs = [o for o in (self._output(r) for r in responses) if o is not None]
                 waiting = bool(self._live)
@@ -352,7 +354,7 @@ class TrtllmBackend(BackendRuntime):
     def _after_failure(self, reason: str) -> bool:
         """Fail every stream; recover with a new executor (True: keep running) or mark dead (False)."""
         with self._lock:
-            self._accepting = False  # nothing may reach the dead executor while it is replaced
+            self.stop_accepting("recovering from an engine failure")  # nothing may reach the dead executor
             self._live.clear()
         self.call_in_loop(self.streams.fail_all, "internal engine error")
         self.busy(False)
@@ -456,15 +458,18 @@ class TrtllmBackend(BackendRuntime):
     def _poll_stats(self) -> None:
         while not self._stopping and self._dead is None:
             time.sleep(STATS_PERIOD_S)
-            try:
-                stats = self.executor.get_latest_iteration_stats()
-            except Exception:  # the response thread handles a dead executor
-                continue
-            if not stats:
-                continue
-            s = stats[-1]
-            kv, ifb = s.kv_cache_stats, s.inflight_batching_stats
-            running = ifb.num_scheduled_requests if ifb is not None else s.num_active_requests - s.num_queued_requests
-            self._stats = BackendStats(running, s.num_queued_requests, kv.used_num_blocks, kv.max_num_blocks)
-            if self._observer is not None:
-                self._observer.on_gauges(self._stats)
+            self._poll_once()
+
+    def _poll_once(self) -> None:
+        try:
+            stats = self.executor.get_latest_iteration_stats()
+        except Exception:  # the response thread handles a dead executor
+            return
+        if not stats:
+            return
+        s = stats[-1]
+        kv, ifb = s.kv_cache_stats, s.inflight_batching_stats
+        running = ifb.num_scheduled_requests if ifb is not None else s.num_active_requests - s.num_queued_requests
+        self._stats = BackendStats(running, s.num_queued_requests, kv.used_num_blocks, kv.max_num_blocks)
+        if self._observer is not None:
+            self._observer.on_gauges(self._stats)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from build_engine.packing import PackedMatrix, dequantize_rows
+from service.engine.quant import kernels as quant
+
 # Causal attention is computed in chunks of this many query rows, so a long prefill never materializes the
 # whole [queries, keys] score square and each chunk only reads the keys it can see.
 ATTENTION_QUERY_CHUNK = 256
@@ -14,9 +17,12 @@ ATTENTION_QUERY_CHUNK = 256
 SMALL_BATCH_GEMV_ROWS = 6
 
 
-def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x @ w.T for a weight stored [out_features, in_features] (BLAS reads it transposed, no copy)."""
+def linear(x: np.ndarray, w: np.ndarray | PackedMatrix) -> np.ndarray:
+    """x @ w.T for a weight stored [out_features, in_features]: fp32 through BLAS (which reads it transposed, no
+    copy), quantized blocks through the quant kernels (exact: fp32 activations, blocks widened in registers)."""
     # x: [T, in] -> [T, out]
+    if isinstance(w, PackedMatrix):
+        return quant.matmul(x, w)
     if 1 < x.shape[0] <= SMALL_BATCH_GEMV_ROWS:
         out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)  # [T, out]
         for i in range(x.shape[0]):
@@ -25,11 +31,25 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return x @ w.T
 
 
-def rms_normalize(x: np.ndarray, eps: float) -> np.ndarray:
-    """x / rms(x) per row, without the gain (the gain is folded into the next matmul at build time)."""
+def rms_normalize(x: np.ndarray, eps: float, gain: np.ndarray | None = None) -> np.ndarray:
+    """x / rms(x) per row, times the gain [D] when given (fp32 engines fold it into the next matmul instead)."""
     # x: [T, D]
     ms = np.einsum("td,td->t", x, x) / np.float32(x.shape[1])  # [T]
-    return x * (1.0 / np.sqrt(ms + np.float32(eps)))[:, None]
+    inv = (1.0 / np.sqrt(ms + np.float32(eps)))[:, None]  # [T, 1]
+    return x * inv if gain is None else x * inv * gain
+
+
+def embedding_rows(table: np.ndarray | PackedMatrix, token_ids: np.ndarray) -> np.ndarray:
+    """The embedding rows of the tokens, [T, D] float32 (a copy: the table is read-only)."""
+    if isinstance(table, PackedMatrix):
+        return dequantize_rows(table, token_ids)
+    return table[token_ids]
+
+
+def use_quant_threads() -> None:
+    """Quantized engines run their matmuls on the quant kernels' own 2-thread pool; OpenBLAS (attention only)
+    then runs on one thread, since its spinning workers would fight that pool (docs/benchmarks.md)."""
+    quant.openblas_threads(1)
 
 
 def rope_tables(max_positions: int, head_dim: int, theta: float, freq_factors: np.ndarray | None) -> np.ndarray:

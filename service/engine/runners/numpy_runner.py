@@ -7,6 +7,7 @@ through its block table. Only each sequence's last position goes through the LM 
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,10 +15,20 @@ from pathlib import Path
 import numpy as np
 
 from build_engine import spec
+from build_engine.packing import PackedMatrix, from_stored
 from build_engine.spec import EngineConfig, load_engine_config
 from build_engine.tensor_io import SafetensorsFile
 from service.engine.runners.base import ForwardBatch
-from service.engine.runners.kernels import apply_rope, causal_attention, linear, rms_normalize, rope_tables, silu_mul
+from service.engine.runners.kernels import (
+    apply_rope,
+    causal_attention,
+    embedding_rows,
+    linear,
+    rms_normalize,
+    rope_tables,
+    silu_mul,
+    use_quant_threads,
+)
 from service.engine.runners.paged_attention import HAVE_NUMBA, DecodeAttention
 
 logger = logging.getLogger(__name__)
@@ -33,12 +44,18 @@ class AttentionPlan:
     other_seqs: list[int]  # prefill chunks: numpy causal attention over gathered blocks
 
 
+Matrix = np.ndarray | PackedMatrix  # fp32 [out, in], or quantized blocks (build_engine/packing.py)
+
+
 @dataclass(frozen=True, slots=True)
 class LayerWeights:
-    qkv: np.ndarray  # [q_size + 2 * kv_size, D], input norm gain and 1/sqrt(hd) folded in
-    o: np.ndarray  # [D, q_size]
-    gate_up: np.ndarray  # [2F, D], post-attention norm gain folded in
-    down: np.ndarray  # [D, F]
+    qkv: Matrix  # [q_size + 2 * kv_size, D]
+    o: Matrix  # [D, q_size]
+    gate_up: Matrix  # [2F, D]
+    down: Matrix  # [D, F]
+    attn_norm: np.ndarray | None  # [D] gain on the activations; None: folded into qkv (fp32 engines)
+    ffn_norm: np.ndarray | None  # [D] gain on the activations; None: folded into gate_up
+    q_scale: np.float32 | None  # 1/sqrt(hd) applied to q after the matmul; None: folded into qkv's Q rows
 
 
 class NumpyRunner:
@@ -58,13 +75,26 @@ class NumpyRunner:
         self.n_heads, self.n_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
         self.eps = arch.rms_norm_eps
         w = SafetensorsFile(Path(engine_dir) / spec.WEIGHTS_FILE)
-        self.embed = w.get("embed")  # [V, D]
-        self.lm_head = self.embed if arch.tie_word_embeddings else w.get("lm_head")  # [V, D]
+        packed = json.loads(w.metadata.get("packed", "{}"))
+        folded = packed.pop("q_scale_folded", {})
+
+        def matrix(name: str) -> Matrix:  # a memory map either way: loading converts nothing
+            return from_stored(w.raw(name)[0], packed[name]) if name in packed else w.get(name)
+
+        self.embed = matrix("embed")  # [V, D]
+        self.lm_head = self.embed if arch.tie_word_embeddings else matrix("lm_head")  # [V, D]
         self.final_norm = w.get("final_norm")  # [D]
-        self.layers = [
-            LayerWeights(*(w.get(f"layers.{i}.{n}") for n in ("qkv", "o", "gate_up", "down")))
-            for i in range(arch.num_hidden_layers)
-        ]
+        self.weight_format = self.config.weight_format
+        scale = np.float32(1.0 / np.sqrt(arch.head_dim))
+        self.layers = []
+        for i in range(arch.num_hidden_layers):
+            p = f"layers.{i}."
+            norms = [w.get(p + n) if p + n in w else None for n in ("attn_norm", "ffn_norm")]
+            q_scale = None if norms[0] is None or folded.get(p + "qkv", False) else scale
+            mats = (matrix(p + n) for n in ("qkv", "o", "gate_up", "down"))
+            self.layers.append(LayerWeights(*mats, *norms, q_scale))
+        if packed:
+            use_quant_threads()
         factors = w.get("rope_freq_factors") if arch.rope_freq_factors else None
         self.rope = rope_tables(self.config.limits.max_seq_len, arch.head_dim, arch.rope_theta, factors)  # [2, P, hd/2]
         kv_shape = (arch.num_hidden_layers, num_kv_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
@@ -88,17 +118,19 @@ class NumpyRunner:
         cos = self.rope[0, batch.positions][:, None, :]  # [T, 1, hd/2]
         sin = self.rope[1, batch.positions][:, None, :]  # [T, 1, hd/2]
         plan = self._plan(batch)
-        x = self.embed[batch.token_ids]  # [T, D] residual stream (a copy: the embedding table is read-only)
+        x = embedding_rows(self.embed, batch.token_ids)  # [T, D] residual stream (a copy)
         for layer, w in enumerate(self.layers):
             # attention block
-            h = rms_normalize(x, self.eps)  # [T, D]
+            h = rms_normalize(x, self.eps, w.attn_norm)  # [T, D]
             qkv = linear(h, w.qkv).reshape(T, H + 2 * KV, hd)  # [T, H + 2KV, hd]
+            if w.q_scale is not None:
+                qkv[:, :H] *= w.q_scale
             apply_rope(qkv[:, : H + KV], cos, sin)  # rotate Q and K heads together, in place
             self._write_kv(layer, qkv[:, H : H + KV], qkv[:, H + KV :], batch.slot_mapping)
             attn = self._attention(layer, qkv[:, :H], batch, plan)  # [T, H * hd]
             x += linear(attn, w.o)  # [T, D]
             # feed-forward block
-            h = rms_normalize(x, self.eps)  # [T, D]
+            h = rms_normalize(x, self.eps, w.ffn_norm)  # [T, D]
             x += linear(silu_mul(linear(h, w.gate_up)), w.down)  # [T, 2F] -> [T, F] -> [T, D]
         last = x[batch.query_start_loc[1:][batch.logits_seqs] - 1]  # [S, D] last new token of each sampled seq
         h = rms_normalize(last, self.eps) * self.final_norm  # [S, D]

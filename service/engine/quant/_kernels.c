@@ -1,0 +1,863 @@
+/* _quant_kernels: y = x @ W.T for W kept as GGUF quant blocks (Q4_0 / Q4_1 / Q8_0), x and y fp32.
+ *
+ * Packed layout (made by quant_pack.pack_blocks; see its docstring): rows in tiles of 32, and for each
+ * (tile, block of 32 columns) one chunk:
+ *   Q4 chunk, 640 bytes:  qs[16][32] uint8 (byte j of the block, row r: low nibble = col j, high = col j+16),
+ *                         d[32] fp16, m[32] fp16                    weight = d * q + m   (Q4_0: m = -8 d)
+ *   Q8 chunk, 1088 bytes: qs[32][32] int8, d[32] fp16               weight = d * q
+ * data: uint8 [n_tiles][n_blocks][chunk].
+ *
+ * Activations are never quantized. Three compute paths:
+ *   gemv / small batch (n <= 4): SIMD across the 32 rows of a tile; per block t = sum_j q_j x_j in fp32, then
+ *     y += d * t + m * sum_j x_j  (the same sum as sum_j (d q_j + m) x_j, exact algebra, fp32 rounding).
+ *   panel GEMM (n > 4): each thread dequantizes one tile into an fp32 panel [K][32] (d*q+m computed with one
+ *     FMA, bit-identical to gguf.quants.dequantize), then a 16x6 register-blocked FMA micro-kernel.
+ *   dequantize_t: the whole matrix as fp32 W.T [K][rows] for a BLAS GEMM (long prefills).
+ * Work is split by tiles over a small built-in thread pool (spin then futex sleep; no OpenMP, so it does not
+ * fight OpenBLAS's pool when BLAS is set to one thread).
+ * AVX2+FMA+F16C code is compiled with target attributes and chosen at import by __builtin_cpu_supports (which
+ * also checks that the OS saves YMM state); otherwise portable C fallbacks give the same results.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <immintrin.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define TR 32            /* rows per tile */
+#define Q4_CHUNK 640     /* 16*32 qs + 32*2 d + 32*2 m */
+#define Q8_CHUNK 1088    /* 32*32 qs + 32*2 d */
+#define KIND_Q4 0
+#define KIND_Q8 1
+#define MAX_THREADS 16
+#ifndef DIRECT_MAX_N
+#define DIRECT_MAX_N 8 /* auto mode: x rows up to which the direct kernels (4 rows a pass) beat the panel */
+#endif
+#ifndef PF_DIST
+#define PF_DIST 1024 /* software prefetch distance in bytes along the weight stream (DRAM-bound decode) */
+#endif
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T0
+#endif
+
+static int g_avx2 = 0;
+
+/* ------------------------------------------------------------------------------------------------ */
+/* fp16 -> fp32 (portable, exact)                                                                     */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalize */
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            bits = sign | (uint32_t)(112 - e) << 23 | (man & 0x3ff) << 13;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | man << 13;
+    } else {
+        bits = sign | (exp + 112) << 23 | man << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* Thread pool: nthreads-1 workers + the calling thread. A job is fn(ctx, task) for task in [0, ntasks).
+ * Tasks are claimed from one 64-bit word  job = gen << 32 | next << 16 | ntasks  by compare-and-swap, so a
+ * worker can only ever claim a task of the job it saw, and the caller waits for *tasks done*, not for the
+ * workers: a worker that is slow to wake up (its core busy with another process) delays nothing, the caller
+ * simply runs the remaining tasks itself. Idle workers spin for spin_ns, then sleep on a futex.             */
+typedef void (*task_fn)(void *ctx, int task);
+
+static struct {
+    int nthreads;        /* wanted threads including the caller */
+    int started;         /* workers running */
+    pthread_t th[MAX_THREADS];
+    _Atomic unsigned gen;        /* bumped to announce a job (the futex word) */
+    _Atomic uint64_t job;        /* gen << 32 | next task << 16 | ntasks */
+    _Atomic int done;            /* tasks finished in the current job */
+    _Atomic int sleeping;
+    _Atomic int quit;
+    task_fn fn;
+    void *ctx;
+    long spin_ns;        /* how long an idle worker spins before sleeping */
+} P = {.nthreads = 2, .spin_ns = 100000};
+
+static pthread_mutex_t P_lock = PTHREAD_MUTEX_INITIALIZER; /* one job at a time (callers release the GIL) */
+
+static inline long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1000000000L + ts.tv_nsec;
+}
+
+/* Claim and run tasks of job generation g until none is left (or the job word moved on). */
+static void run_tasks(unsigned g) {
+    for (;;) {
+        uint64_t v = atomic_load_explicit(&P.job, memory_order_acquire);
+        for (;;) {
+            if ((unsigned)(v >> 32) != g) return;
+            unsigned next = (unsigned)(v >> 16) & 0xffff, n = (unsigned)v & 0xffff;
+            if (next >= n) return;
+            if (atomic_compare_exchange_weak_explicit(&P.job, &v, v + (1u << 16), memory_order_acq_rel,
+                                                      memory_order_acquire)) {
+                P.fn(P.ctx, (int)next); /* the job cannot finish before this task is counted done */
+                atomic_fetch_add_explicit(&P.done, 1, memory_order_release);
+                break;
+            }
+        }
+    }
+}
+
+static void *worker_main(void *arg) {
+    unsigned seen = (unsigned)(uintptr_t)arg; /* the generation when it was created: no job missed */
+    for (;;) {
+        unsigned g = atomic_load_explicit(&P.gen, memory_order_acquire);
+        if (g == seen) {
+            long t0 = now_ns();
+            int i = 0;
+            while ((g = atomic_load_explicit(&P.gen, memory_order_acquire)) == seen) {
+                _mm_pause();
+                if ((++i & 63) == 0 && now_ns() - t0 > P.spin_ns) break;
+            }
+            if (g == seen) {
+                atomic_fetch_add(&P.sleeping, 1);
+                while ((g = atomic_load(&P.gen)) == seen)
+                    syscall(SYS_futex, &P.gen, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+                atomic_fetch_sub(&P.sleeping, 1);
+            }
+        }
+        seen = g;
+        if (atomic_load(&P.quit)) return NULL;
+        run_tasks(g);
+    }
+}
+
+static void pool_stop(void) {
+    if (!P.started) return;
+    atomic_store(&P.quit, 1);
+    atomic_fetch_add(&P.gen, 1);
+    syscall(SYS_futex, &P.gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    for (int i = 0; i < P.started; i++) pthread_join(P.th[i], NULL);
+    P.started = 0;
+    atomic_store(&P.quit, 0);
+}
+
+static void pool_after_fork_child(void) { /* the workers do not exist in a forked child */
+    P.started = 0;
+    atomic_store(&P.sleeping, 0);
+    pthread_mutex_init(&P_lock, NULL);
+}
+
+/* Run fn over ntasks (< 65536) tasks on up to P.nthreads threads (called with the GIL released). */
+static void pool_run(task_fn fn, void *ctx, int ntasks) {
+    if (ntasks <= 0) return;
+    if (P.nthreads <= 1 || ntasks == 1) {
+        for (int t = 0; t < ntasks; t++) fn(ctx, t);
+        return;
+    }
+    pthread_mutex_lock(&P_lock);
+    while (P.started < P.nthreads - 1) {
+        void *gen0 = (void *)(uintptr_t)atomic_load(&P.gen);
+        if (pthread_create(&P.th[P.started], NULL, worker_main, gen0) != 0) break;
+        P.started++;
+    }
+    if (P.started == 0) {
+        pthread_mutex_unlock(&P_lock);
+        for (int t = 0; t < ntasks; t++) fn(ctx, t);
+        return;
+    }
+    unsigned g = atomic_load(&P.gen) + 1;
+    P.fn = fn;
+    P.ctx = ctx;
+    atomic_store_explicit(&P.done, 0, memory_order_relaxed);
+    atomic_store_explicit(&P.job, (uint64_t)g << 32 | (uint64_t)ntasks, memory_order_release);
+    atomic_store(&P.gen, g);
+    if (atomic_load(&P.sleeping) > 0) syscall(SYS_futex, &P.gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    run_tasks(g);
+    int i = 0;
+    while (atomic_load_explicit(&P.done, memory_order_acquire) < ntasks) {
+        _mm_pause(); /* a worker is finishing a task it claimed */
+        if ((++i & 4095) == 0) sched_yield();
+    }
+    pthread_mutex_unlock(&P_lock);
+}
+
+/* Per-thread scratch (fp32 panel of one tile), grown on demand. */
+static __thread float *tl_buf = NULL;
+static __thread size_t tl_cap = 0;
+static float *scratch(size_t nfloats) {
+    if (nfloats > tl_cap) {
+        free(tl_buf);
+        tl_buf = aligned_alloc(64, ((nfloats * 4 + 63) / 64) * 64);
+        tl_cap = tl_buf ? nfloats : 0;
+    }
+    return tl_buf;
+}
+
+/* ------------------------------------------------------------------------------------------------ */
+/* A job: y[n][rows] (row stride ldy) = x[n][cols] (row stride ldx) @ W.T                           */
+typedef struct {
+    int kind, rows, cols, nblk, ntiles, n, ldx, ldy;
+    const uint8_t *w;
+    const float *x;
+    const float *sx; /* [n][nblk] block sums of x (Q4 small path) */
+    float *y;
+    int tiles_per_task;
+    float *out_t; /* dequantize_t: [cols][ldo] */
+    int ldo;
+    _Atomic int failed; /* a task could not allocate its scratch panel */
+} job_t;
+
+/* ============================ AVX2 + FMA + F16C kernels =========================================== */
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+AVX2_INLINE __m256i ld8u(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+AVX2_INLINE __m256i ld8s(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+AVX2_INLINE __m256 ldh(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* One Q4 tile, one x row: y[0..31] = sum over blocks. 8 independent accumulator chains (4 groups x lo/hi). */
+AVX2_FN static void q4_tile_n1_avx2(const uint8_t *tile, int nblk, const float *x, const float *sx, float *y) {
+    const __m256i m4 = _mm256_set1_epi32(15);
+    __m256 y0 = _mm256_setzero_ps(), y1 = y0, y2 = y0, y3 = y0;
+    for (int b = 0; b < nblk; b++) {
+        const uint8_t *c = tile + (size_t)b * Q4_CHUNK;
+        const float *xb = x + 32 * b;
+        for (int l = 0; l < Q4_CHUNK; l += 64) _mm_prefetch((const char *)c + PF_DIST + l, PF_HINT);
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, h0 = a0, h1 = a0, h2 = a0, h3 = a0;
+        for (int j = 0; j < 16; j++) {
+            const uint8_t *q = c + 32 * j;
+            __m256 xl = _mm256_broadcast_ss(xb + j), xh = _mm256_broadcast_ss(xb + j + 16);
+            __m256i v0 = ld8u(q), v1 = ld8u(q + 8), v2 = ld8u(q + 16), v3 = ld8u(q + 24);
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, m4)), xl, a0);
+            h0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), xh, h0);
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, m4)), xl, a1);
+            h1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), xh, h1);
+            a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v2, m4)), xl, a2);
+            h2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v2, 4)), xh, h2);
+            a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v3, m4)), xl, a3);
+            h3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v3, 4)), xh, h3);
+        }
+        const __m256 s = _mm256_broadcast_ss(sx + b);
+        const uint8_t *d = c + 512, *m = c + 576;
+        y0 = _mm256_fmadd_ps(ldh(d + 0), _mm256_add_ps(a0, h0), _mm256_fmadd_ps(ldh(m + 0), s, y0));
+        y1 = _mm256_fmadd_ps(ldh(d + 16), _mm256_add_ps(a1, h1), _mm256_fmadd_ps(ldh(m + 16), s, y1));
+        y2 = _mm256_fmadd_ps(ldh(d + 32), _mm256_add_ps(a2, h2), _mm256_fmadd_ps(ldh(m + 32), s, y2));
+        y3 = _mm256_fmadd_ps(ldh(d + 48), _mm256_add_ps(a3, h3), _mm256_fmadd_ps(ldh(m + 48), s, y3));
+    }
+    _mm256_storeu_ps(y, y0);
+    _mm256_storeu_ps(y + 8, y1);
+    _mm256_storeu_ps(y + 16, y2);
+    _mm256_storeu_ps(y + 24, y3);
+}
+
+/* One Q4 tile, NB (2..4) x rows, one 16-row half at a time; y[n][0..31] (stride ldy) accumulated in memory
+ * per block so the block accumulators t stay in registers. NB == 2 keeps lo/hi apart (8 chains). */
+AVX2_INLINE void q4_tile_nb_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, const float *sx,
+                                 float *y, int ldy, const int NB) {
+    const __m256i m4 = _mm256_set1_epi32(15);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[4][2];
+        for (int n = 0; n < NB; n++) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
+        for (int b = 0; b < nblk; b++) {
+            const uint8_t *c = tile + (size_t)b * Q4_CHUNK + 16 * h;
+            __m256 tl[4][2], th[4][2];
+            for (int n = 0; n < NB; n++) tl[n][0] = tl[n][1] = th[n][0] = th[n][1] = _mm256_setzero_ps();
+            for (int j = 0; j < 16; j++) {
+                __m256i v0 = ld8u(c + 32 * j), v1 = ld8u(c + 32 * j + 8);
+                __m256 l0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, m4));
+                __m256 l1 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, m4));
+                __m256 g0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
+                __m256 g1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
+                for (int n = 0; n < NB; n++) {
+                    const float *xb = x + (size_t)n * ldx + 32 * b;
+                    __m256 xl = _mm256_broadcast_ss(xb + j), xh = _mm256_broadcast_ss(xb + j + 16);
+                    if (NB == 2) {
+                        tl[n][0] = _mm256_fmadd_ps(l0, xl, tl[n][0]);
+                        tl[n][1] = _mm256_fmadd_ps(l1, xl, tl[n][1]);
+                        th[n][0] = _mm256_fmadd_ps(g0, xh, th[n][0]);
+                        th[n][1] = _mm256_fmadd_ps(g1, xh, th[n][1]);
+                    } else {
+                        tl[n][0] = _mm256_fmadd_ps(g0, xh, _mm256_fmadd_ps(l0, xl, tl[n][0]));
+                        tl[n][1] = _mm256_fmadd_ps(g1, xh, _mm256_fmadd_ps(l1, xl, tl[n][1]));
+                    }
+                }
+            }
+            const uint8_t *cd = tile + (size_t)b * Q4_CHUNK + 512 + 32 * h, *cm = cd + 64;
+            __m256 d0 = ldh(cd), d1 = ldh(cd + 16), m0 = ldh(cm), m1 = ldh(cm + 16);
+            for (int n = 0; n < NB; n++) {
+                __m256 t0 = tl[n][0], t1 = tl[n][1];
+                if (NB == 2) {
+                    t0 = _mm256_add_ps(t0, th[n][0]);
+                    t1 = _mm256_add_ps(t1, th[n][1]);
+                }
+                __m256 s = _mm256_broadcast_ss(sx + (size_t)n * nblk + b);
+                acc[n][0] = _mm256_fmadd_ps(d0, t0, _mm256_fmadd_ps(m0, s, acc[n][0]));
+                acc[n][1] = _mm256_fmadd_ps(d1, t1, _mm256_fmadd_ps(m1, s, acc[n][1]));
+            }
+        }
+        for (int n = 0; n < NB; n++) {
+            _mm256_storeu_ps(y + (size_t)n * ldy + 16 * h, acc[n][0]);
+            _mm256_storeu_ps(y + (size_t)n * ldy + 16 * h + 8, acc[n][1]);
+        }
+    }
+}
+
+/* One Q8 tile, one x row: even/odd j accumulators (8 chains). */
+AVX2_FN static void q8_tile_n1_avx2(const uint8_t *tile, int nblk, const float *x, float *y) {
+    __m256 y0 = _mm256_setzero_ps(), y1 = y0, y2 = y0, y3 = y0;
+    for (int b = 0; b < nblk; b++) {
+        const uint8_t *c = tile + (size_t)b * Q8_CHUNK;
+        const float *xb = x + 32 * b;
+        for (int l = 0; l < Q8_CHUNK; l += 64) _mm_prefetch((const char *)c + PF_DIST + l, PF_HINT);
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, e0 = a0, e1 = a0, e2 = a0, e3 = a0;
+        for (int j = 0; j < 32; j += 2) {
+            const uint8_t *q = c + 32 * j;
+            __m256 xa = _mm256_broadcast_ss(xb + j), xe = _mm256_broadcast_ss(xb + j + 1);
+            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ld8s(q + 0)), xa, a0);
+            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ld8s(q + 8)), xa, a1);
+            a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ld8s(q + 16)), xa, a2);
+            a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ld8s(q + 24)), xa, a3);
+            e0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ld8s(q + 32)), xe, e0);
+            e1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ld8s(q + 40)), xe, e1);
+            e2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ld8s(q + 48)), xe, e2);
+            e3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ld8s(q + 56)), xe, e3);
+        }
+        const uint8_t *d = c + 1024;
+        y0 = _mm256_fmadd_ps(ldh(d + 0), _mm256_add_ps(a0, e0), y0);
+        y1 = _mm256_fmadd_ps(ldh(d + 16), _mm256_add_ps(a1, e1), y1);
+        y2 = _mm256_fmadd_ps(ldh(d + 32), _mm256_add_ps(a2, e2), y2);
+        y3 = _mm256_fmadd_ps(ldh(d + 48), _mm256_add_ps(a3, e3), y3);
+    }
+    _mm256_storeu_ps(y, y0);
+    _mm256_storeu_ps(y + 8, y1);
+    _mm256_storeu_ps(y + 16, y2);
+    _mm256_storeu_ps(y + 24, y3);
+}
+
+/* One Q8 tile, NB (2..4) x rows, 16-row halves. */
+AVX2_INLINE void q8_tile_nb_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, float *y, int ldy,
+                                 const int NB) {
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[4][2];
+        for (int n = 0; n < NB; n++) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
+        for (int b = 0; b < nblk; b++) {
+            const uint8_t *c = tile + (size_t)b * Q8_CHUNK + 16 * h;
+            __m256 t[4][2][2];
+            for (int n = 0; n < NB; n++) t[n][0][0] = t[n][0][1] = t[n][1][0] = t[n][1][1] = _mm256_setzero_ps();
+            for (int j = 0; j < 32; j += 2) {
+                for (int e = 0; e < 2; e++) {
+                    __m256 w0 = _mm256_cvtepi32_ps(ld8s(c + 32 * (j + e)));
+                    __m256 w1 = _mm256_cvtepi32_ps(ld8s(c + 32 * (j + e) + 8));
+                    for (int n = 0; n < NB; n++) {
+                        __m256 xv = _mm256_broadcast_ss(x + (size_t)n * ldx + 32 * b + j + e);
+                        const int p = NB <= 2 ? e : 0; /* split even/odd only where chains are few */
+                        t[n][p][0] = _mm256_fmadd_ps(w0, xv, t[n][p][0]);
+                        t[n][p][1] = _mm256_fmadd_ps(w1, xv, t[n][p][1]);
+                    }
+                }
+            }
+            const uint8_t *cd = tile + (size_t)b * Q8_CHUNK + 1024 + 32 * h;
+            __m256 d0 = ldh(cd), d1 = ldh(cd + 16);
+            for (int n = 0; n < NB; n++) {
+                acc[n][0] = _mm256_fmadd_ps(d0, _mm256_add_ps(t[n][0][0], t[n][1][0]), acc[n][0]);
+                acc[n][1] = _mm256_fmadd_ps(d1, _mm256_add_ps(t[n][0][1], t[n][1][1]), acc[n][1]);
+            }
+        }
+        for (int n = 0; n < NB; n++) {
+            _mm256_storeu_ps(y + (size_t)n * ldy + 16 * h, acc[n][0]);
+            _mm256_storeu_ps(y + (size_t)n * ldy + 16 * h + 8, acc[n][1]);
+        }
+    }
+}
+
+/* Dequantize one tile into fp32 W.T rows: out[k][0..31] (row stride ldo floats) = weight of rows 0..31. */
+AVX2_FN static void dequant_tile_avx2(int kind, const uint8_t *tile, int nblk, float *out, size_t ldo) {
+    if (kind == KIND_Q4) {
+        const __m256i m4 = _mm256_set1_epi32(15);
+        for (int b = 0; b < nblk; b++) {
+            const uint8_t *c = tile + (size_t)b * Q4_CHUNK;
+            __m256 d[4], m[4];
+            for (int g = 0; g < 4; g++) {
+                d[g] = ldh(c + 512 + 16 * g);
+                m[g] = ldh(c + 576 + 16 * g);
+            }
+            float *o = out + (size_t)32 * b * ldo;
+            for (int j = 0; j < 16; j++) {
+                for (int g = 0; g < 4; g++) {
+                    __m256i v = ld8u(c + 32 * j + 8 * g);
+                    _mm256_storeu_ps(o + j * ldo + 8 * g,
+                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, m4)), d[g], m[g]));
+                    _mm256_storeu_ps(o + (j + 16) * ldo + 8 * g,
+                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d[g], m[g]));
+                }
+            }
+        }
+    } else {
+        for (int b = 0; b < nblk; b++) {
+            const uint8_t *c = tile + (size_t)b * Q8_CHUNK;
+            __m256 d[4];
+            for (int g = 0; g < 4; g++) d[g] = ldh(c + 1024 + 16 * g);
+            float *o = out + (size_t)32 * b * ldo;
+            for (int j = 0; j < 32; j++)
+                for (int g = 0; g < 4; g++)
+                    _mm256_storeu_ps(o + j * ldo + 8 * g,
+                                     _mm256_mul_ps(_mm256_cvtepi32_ps(ld8s(c + 32 * j + 8 * g)), d[g]));
+        }
+    }
+}
+
+/* Micro-kernel: y[n][0..15] = sum_k W[k][0..15] * x[n][k] for n < NR (<= 6); W has row stride 32 floats.
+ * K is summed in chunks of KC (fresh accumulators per chunk, added into y): a two-level sum keeps the fp32
+ * rounding error closer to BLAS's than one long chain over K. */
+#define KC 128
+AVX2_INLINE void mk16xnr(const float *W, int K, const float *x, int ldx, float *y, int ldy, const int NR) {
+    const float *xr[6];
+    for (int n = 0; n < NR; n++) xr[n] = x + (size_t)n * ldx;
+    for (int k0 = 0; k0 < K; k0 += KC) {
+        const int k1 = k0 + KC < K ? k0 + KC : K;
+        __m256 a[6][2];
+        for (int n = 0; n < NR; n++) a[n][0] = a[n][1] = _mm256_setzero_ps();
+        for (int k = k0; k < k1; k++) {
+            __m256 w0 = _mm256_load_ps(W + 32 * k), w1 = _mm256_load_ps(W + 32 * k + 8);
+            for (int n = 0; n < NR; n++) {
+                __m256 b = _mm256_broadcast_ss(xr[n] + k);
+                a[n][0] = _mm256_fmadd_ps(w0, b, a[n][0]);
+                a[n][1] = _mm256_fmadd_ps(w1, b, a[n][1]);
+            }
+        }
+        for (int n = 0; n < NR; n++) {
+            float *yn = y + (size_t)n * ldy;
+            if (k0) {
+                a[n][0] = _mm256_add_ps(a[n][0], _mm256_loadu_ps(yn));
+                a[n][1] = _mm256_add_ps(a[n][1], _mm256_loadu_ps(yn + 8));
+            }
+            _mm256_storeu_ps(yn, a[n][0]);
+            _mm256_storeu_ps(yn + 8, a[n][1]);
+        }
+    }
+}
+
+AVX2_FN static void panel_gemm_avx2(const float *W, int K, const float *x, int ldx, int n, float *y, int ldy) {
+    /* W: [K][32] panel of one tile; y: [n][32] (stride ldy) */
+    int n0 = 0;
+    for (; n0 + 6 <= n; n0 += 6)
+        for (int h = 0; h < 2; h++)
+            mk16xnr(W + 16 * h, K, x + (size_t)n0 * ldx, ldx, y + (size_t)n0 * ldy + 16 * h, ldy, 6);
+    int r = n - n0;
+    for (int h = 0; h < 2 && r; h++) {
+        const float *Wh = W + 16 * h;
+        const float *xn = x + (size_t)n0 * ldx;
+        float *yn = y + (size_t)n0 * ldy + 16 * h;
+        switch (r) {
+            case 1: mk16xnr(Wh, K, xn, ldx, yn, ldy, 1); break;
+            case 2: mk16xnr(Wh, K, xn, ldx, yn, ldy, 2); break;
+            case 3: mk16xnr(Wh, K, xn, ldx, yn, ldy, 3); break;
+            case 4: mk16xnr(Wh, K, xn, ldx, yn, ldy, 4); break;
+            default: mk16xnr(Wh, K, xn, ldx, yn, ldy, 5); break;
+        }
+    }
+}
+
+AVX2_FN static void q4_tile_small_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, const float *sx,
+                                       int nb, float *y, int ldy) {
+    switch (nb) {
+        case 2: q4_tile_nb_avx2(tile, nblk, x, ldx, sx, y, ldy, 2); break;
+        case 3: q4_tile_nb_avx2(tile, nblk, x, ldx, sx, y, ldy, 3); break;
+        default: q4_tile_nb_avx2(tile, nblk, x, ldx, sx, y, ldy, 4); break;
+    }
+}
+
+AVX2_FN static void q8_tile_small_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, int nb, float *y,
+                                       int ldy) {
+    switch (nb) {
+        case 2: q8_tile_nb_avx2(tile, nblk, x, ldx, y, ldy, 2); break;
+        case 3: q8_tile_nb_avx2(tile, nblk, x, ldx, y, ldy, 3); break;
+        default: q8_tile_nb_avx2(tile, nblk, x, ldx, y, ldy, 4); break;
+    }
+}
+
+AVX2_FN static void block_sums_avx2(const float *x, int n, int ldx, int nblk, float *sx) {
+    for (int i = 0; i < n; i++)
+        for (int b = 0; b < nblk; b++) {
+            const float *p = x + (size_t)i * ldx + 32 * b;
+            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
+            __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+            t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+            t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
+            sx[(size_t)i * nblk + b] = _mm_cvtss_f32(t);
+        }
+}
+
+/* ==================================== portable fallback ========================================== */
+static void dequant_tile_generic(int kind, const uint8_t *tile, int nblk, float *out, size_t ldo) {
+    for (int b = 0; b < nblk; b++) {
+        float *o = out + (size_t)32 * b * ldo;
+        if (kind == KIND_Q4) {
+            const uint8_t *c = tile + (size_t)b * Q4_CHUNK;
+            for (int r = 0; r < TR; r++) {
+                uint16_t dh, mh;
+                memcpy(&dh, c + 512 + 2 * r, 2);
+                memcpy(&mh, c + 576 + 2 * r, 2);
+                float d = half_to_float(dh), m = half_to_float(mh);
+                for (int j = 0; j < 16; j++) {
+                    uint8_t q = c[32 * j + r];
+                    o[j * ldo + r] = fmaf((float)(q & 15), d, m);
+                    o[(j + 16) * ldo + r] = fmaf((float)(q >> 4), d, m);
+                }
+            }
+        } else {
+            const uint8_t *c = tile + (size_t)b * Q8_CHUNK;
+            for (int r = 0; r < TR; r++) {
+                uint16_t dh;
+                memcpy(&dh, c + 1024 + 2 * r, 2);
+                float d = half_to_float(dh);
+                for (int j = 0; j < 32; j++) o[j * ldo + r] = (float)(int8_t)c[32 * j + r] * d;
+            }
+        }
+    }
+}
+
+static void panel_gemm_generic(const float *W, int K, const float *x, int ldx, int n, float *y, int ldy) {
+    for (int i = 0; i < n; i++) {
+        float acc[TR] = {0};
+        const float *xi = x + (size_t)i * ldx;
+        for (int k0 = 0; k0 < K; k0 += 128) { /* two-level sum, as in the AVX2 micro-kernel */
+            float part[TR] = {0};
+            for (int k = k0; k < K && k < k0 + 128; k++) {
+                float xv = xi[k];
+                for (int r = 0; r < TR; r++) part[r] += W[32 * k + r] * xv;
+            }
+            for (int r = 0; r < TR; r++) acc[r] += part[r];
+        }
+        memcpy(y + (size_t)i * ldy, acc, sizeof acc);
+    }
+}
+
+/* ========================================= tasks ================================================= */
+static void finish_tile(const job_t *J, int t, const float *tmp) {
+    /* copy the valid rows of a partial last tile from tmp [n][32] */
+    int r0 = t * TR, nr = J->rows - r0;
+    for (int i = 0; i < J->n; i++) memcpy(J->y + (size_t)i * J->ldy + r0, tmp + (size_t)i * TR, nr * 4);
+}
+
+static void task_small(void *ctx, int task) { /* n <= 4: direct kernels */
+    const job_t *J = ctx;
+    const size_t chunk = J->kind == KIND_Q4 ? Q4_CHUNK : Q8_CHUNK;
+    int t0 = task * J->tiles_per_task, t1 = t0 + J->tiles_per_task;
+    if (t1 > J->ntiles) t1 = J->ntiles;
+    float tmp[4 * TR];
+    for (int t = t0; t < t1; t++) {
+        const uint8_t *tile = J->w + (size_t)t * J->nblk * chunk;
+        int partial = (t + 1) * TR > J->rows;
+        float *y = partial ? tmp : J->y + (size_t)t * TR;
+        int ldy = partial ? TR : J->ldy;
+        if (g_avx2) {
+            if (J->kind == KIND_Q4) {
+                if (J->n == 1) q4_tile_n1_avx2(tile, J->nblk, J->x, J->sx, y);
+                else q4_tile_small_avx2(tile, J->nblk, J->x, J->ldx, J->sx, J->n, y, ldy);
+            } else {
+                if (J->n == 1) q8_tile_n1_avx2(tile, J->nblk, J->x, y);
+                else q8_tile_small_avx2(tile, J->nblk, J->x, J->ldx, J->n, y, ldy);
+            }
+        } else { /* fallback: dequantize the tile, then a plain loop */
+            float *W = scratch((size_t)J->cols * TR);
+            if (!W) {
+                atomic_store(&((job_t *)J)->failed, 1);
+                return;
+            }
+            dequant_tile_generic(J->kind, tile, J->nblk, W, TR);
+            panel_gemm_generic(W, J->cols, J->x, J->ldx, J->n, y, ldy);
+        }
+        if (partial) finish_tile(J, t, tmp);
+    }
+}
+
+static void task_panel(void *ctx, int task) { /* n > 4: dequantize a tile panel, register-blocked GEMM */
+    const job_t *J = ctx;
+    const size_t chunk = J->kind == KIND_Q4 ? Q4_CHUNK : Q8_CHUNK;
+    int t0 = task * J->tiles_per_task, t1 = t0 + J->tiles_per_task;
+    if (t1 > J->ntiles) t1 = J->ntiles;
+    float *W = scratch((size_t)J->cols * TR + (size_t)J->n * TR);
+    if (!W) {
+        atomic_store(&((job_t *)J)->failed, 1); /* reported as MemoryError */
+        return;
+    }
+    float *tmp = W + (size_t)J->cols * TR;
+    for (int t = t0; t < t1; t++) {
+        const uint8_t *tile = J->w + (size_t)t * J->nblk * chunk;
+        int partial = (t + 1) * TR > J->rows;
+        float *y = partial ? tmp : J->y + (size_t)t * TR;
+        int ldy = partial ? TR : J->ldy;
+        if (g_avx2) {
+            dequant_tile_avx2(J->kind, tile, J->nblk, W, TR);
+            panel_gemm_avx2(W, J->cols, J->x, J->ldx, J->n, y, ldy);
+        } else {
+            dequant_tile_generic(J->kind, tile, J->nblk, W, TR);
+            panel_gemm_generic(W, J->cols, J->x, J->ldx, J->n, y, ldy);
+        }
+        if (partial) finish_tile(J, t, tmp);
+    }
+}
+
+static void task_dequant_t(void *ctx, int task) { /* out_t[k][r] = W[r][k] */
+    const job_t *J = ctx;
+    const size_t chunk = J->kind == KIND_Q4 ? Q4_CHUNK : Q8_CHUNK;
+    int t0 = task * J->tiles_per_task, t1 = t0 + J->tiles_per_task;
+    if (t1 > J->ntiles) t1 = J->ntiles;
+    for (int t = t0; t < t1; t++) {
+        const uint8_t *tile = J->w + (size_t)t * J->nblk * chunk;
+        if ((t + 1) * TR <= J->rows) {
+            if (g_avx2) dequant_tile_avx2(J->kind, tile, J->nblk, J->out_t + (size_t)t * TR, J->ldo);
+            else dequant_tile_generic(J->kind, tile, J->nblk, J->out_t + (size_t)t * TR, J->ldo);
+        } else { /* partial tile: via a scratch panel */
+            float *W = scratch((size_t)J->cols * TR);
+            if (!W) {
+                atomic_store(&((job_t *)J)->failed, 1);
+                return;
+            }
+            if (g_avx2) dequant_tile_avx2(J->kind, tile, J->nblk, W, TR);
+            else dequant_tile_generic(J->kind, tile, J->nblk, W, TR);
+            int nr = J->rows - t * TR;
+            for (int k = 0; k < J->cols; k++) memcpy(J->out_t + (size_t)k * J->ldo + t * TR, W + (size_t)TR * k, nr * 4);
+        }
+    }
+}
+
+static int tiles_per_task(int ntiles, int nthreads, int n) {
+    /* about 4 tasks per thread so a slow core does not hold up the others; whole matrix if single-threaded */
+    if (nthreads <= 1) return ntiles;
+    int tasks = nthreads * (n <= 4 ? 4 : 8); /* panel tiles are heavy at large n: smaller tasks, less waiting */
+    int tpt = (ntiles + tasks - 1) / tasks;
+    return tpt < 1 ? 1 : tpt;
+}
+
+/* ========================================= Python ================================================= */
+typedef struct {
+    Py_buffer b;
+    int ok;
+} buf_t;
+
+static int get_buf(PyObject *o, buf_t *bb, int writable, Py_ssize_t need, const char *what, int want_f32) {
+    bb->ok = 0;
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(o, &bb->b, flags) < 0) return -1;
+    bb->ok = 1;
+    if (want_f32 && (bb->b.itemsize != 4 || !bb->b.format || strcmp(bb->b.format, "f") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous float32 array", what);
+        return -1;
+    }
+    if (bb->b.len < need) {
+        PyErr_Format(PyExc_ValueError, "%s buffer too small: %zd bytes, need %zd", what, bb->b.len, need);
+        return -1;
+    }
+    return 0;
+}
+static void rel_buf(buf_t *bb) {
+    if (bb->ok) PyBuffer_Release(&bb->b);
+}
+
+static int parse_common(PyObject *const *args, int *kind, int *rows, int *cols) {
+    *kind = (int)PyLong_AsLong(args[0]);
+    *rows = (int)PyLong_AsLong(args[2]);
+    *cols = (int)PyLong_AsLong(args[3]);
+    if (PyErr_Occurred()) return -1;
+    if ((*kind != KIND_Q4 && *kind != KIND_Q8) || *rows <= 0 || *cols <= 0 || *cols % 32) {
+        PyErr_SetString(PyExc_ValueError, "bad kind/rows/cols (cols must be a positive multiple of 32)");
+        return -1;
+    }
+    return 0;
+}
+
+/* matmul(kind, w, rows, cols, x, n, y, mode): y[n, rows] = x[n, cols] @ W.T; mode 0 auto, 1 direct, 2 panel */
+static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "matmul(kind, w, rows, cols, x, n, y, mode)");
+        return NULL;
+    }
+    int kind, rows, cols;
+    if (parse_common(args, &kind, &rows, &cols) < 0) return NULL;
+    int n = (int)PyLong_AsLong(args[5]), mode = (int)PyLong_AsLong(args[7]);
+    if (PyErr_Occurred()) return NULL;
+    if (n <= 0) Py_RETURN_NONE;
+    int nblk = cols / 32, ntiles = (rows + TR - 1) / TR;
+    size_t chunk = kind == KIND_Q4 ? Q4_CHUNK : Q8_CHUNK;
+    buf_t bw, bx, by;
+    bw.ok = bx.ok = by.ok = 0;
+    PyObject *ret = NULL;
+    if (get_buf(args[1], &bw, 0, (Py_ssize_t)ntiles * nblk * chunk, "w", 0) < 0) goto done;
+    if (get_buf(args[4], &bx, 0, (Py_ssize_t)n * cols * 4, "x", 1) < 0) goto done;
+    if (get_buf(args[6], &by, 1, (Py_ssize_t)n * rows * 4, "y", 1) < 0) goto done;
+    {
+        int direct = mode == 1 || (mode == 0 && n <= DIRECT_MAX_N);
+        job_t J = {kind, rows, cols, nblk, ntiles, n, cols, rows, bw.b.buf, bx.b.buf, NULL, by.b.buf, 0, NULL, 0};
+        float *sx = NULL;
+        int failed = 0;
+        Py_BEGIN_ALLOW_THREADS;
+        if (direct && n > 4) { /* direct kernels take at most 4 x rows at a time */
+            for (int i0 = 0; i0 < n && !failed; i0 += 4) {
+                job_t Ji = J;
+                Ji.n = n - i0 < 4 ? n - i0 : 4;
+                Ji.x = J.x + (size_t)i0 * cols;
+                Ji.y = J.y + (size_t)i0 * rows;
+                if (kind == KIND_Q4) {
+                    sx = realloc(sx, (size_t)Ji.n * nblk * 4);
+                    if (!sx) { failed = 1; break; }
+                    if (g_avx2) block_sums_avx2(Ji.x, Ji.n, cols, nblk, sx);
+                    else for (int i = 0; i < Ji.n * nblk; i++) { float s = 0; for (int j = 0; j < 32; j++) s += Ji.x[(size_t)(i / nblk) * cols + 32 * (i % nblk) + j]; sx[i] = s; }
+                    Ji.sx = sx;
+                }
+                Ji.tiles_per_task = tiles_per_task(ntiles, P.nthreads, Ji.n);
+                pool_run(task_small, &Ji, (ntiles + Ji.tiles_per_task - 1) / Ji.tiles_per_task);
+                if (atomic_load(&Ji.failed)) failed = 1;
+            }
+        } else if (direct) {
+            if (kind == KIND_Q4 && g_avx2) {
+                sx = malloc((size_t)n * nblk * 4);
+                if (!sx) failed = 1;
+                else block_sums_avx2(J.x, n, cols, nblk, sx);
+                J.sx = sx;
+            }
+            if (!failed) {
+                J.tiles_per_task = tiles_per_task(ntiles, P.nthreads, n);
+                pool_run(task_small, &J, (ntiles + J.tiles_per_task - 1) / J.tiles_per_task);
+            }
+        } else {
+            J.tiles_per_task = tiles_per_task(ntiles, P.nthreads, n);
+            pool_run(task_panel, &J, (ntiles + J.tiles_per_task - 1) / J.tiles_per_task);
+        }
+        if (atomic_load(&J.failed)) failed = 1;
+        free(sx);
+        Py_END_ALLOW_THREADS;
+        if (failed) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    rel_buf(&bw);
+    rel_buf(&bx);
+    rel_buf(&by);
+    return ret;
+}
+
+/* dequantize_t(kind, w, rows, cols, out): out[cols, rows] fp32 = W.T (for a BLAS GEMM) */
+static PyObject *py_dequantize_t(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "dequantize_t(kind, w, rows, cols, out)");
+        return NULL;
+    }
+    int kind, rows, cols;
+    if (parse_common(args, &kind, &rows, &cols) < 0) return NULL;
+    int nblk = cols / 32, ntiles = (rows + TR - 1) / TR;
+    size_t chunk = kind == KIND_Q4 ? Q4_CHUNK : Q8_CHUNK;
+    buf_t bw, bo;
+    bw.ok = bo.ok = 0;
+    PyObject *ret = NULL;
+    if (get_buf(args[1], &bw, 0, (Py_ssize_t)ntiles * nblk * chunk, "w", 0) < 0) goto done;
+    if (get_buf(args[4], &bo, 1, (Py_ssize_t)rows * cols * 4, "out", 1) < 0) goto done;
+    {
+        job_t J = {kind, rows, cols, nblk, ntiles, 0, 0, 0, bw.b.buf, NULL, NULL, NULL, 0, bo.b.buf, rows};
+        J.tiles_per_task = tiles_per_task(ntiles, P.nthreads, 64);
+        Py_BEGIN_ALLOW_THREADS;
+        pool_run(task_dequant_t, &J, (ntiles + J.tiles_per_task - 1) / J.tiles_per_task);
+        Py_END_ALLOW_THREADS;
+        if (atomic_load(&J.failed)) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    rel_buf(&bw);
+    rel_buf(&bo);
+    return ret;
+}
+
+static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
+    (void)self;
+    long n = PyLong_AsLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    Py_BEGIN_ALLOW_THREADS;
+    pthread_mutex_lock(&P_lock);
+    if (n - 1 < P.started) pool_stop(); /* fewer workers: restart lazily */
+    P.nthreads = (int)n;
+    pthread_mutex_unlock(&P_lock);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_num_threads(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    return PyLong_FromLong(P.nthreads);
+}
+
+static PyObject *py_set_spin_us(PyObject *self, PyObject *arg) {
+    (void)self;
+    double us = PyFloat_AsDouble(arg);
+    if (PyErr_Occurred()) return NULL;
+    P.spin_ns = (long)(us * 1000.0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    return PyUnicode_FromString(g_avx2 ? "avx2" : "generic");
+}
+
+static PyObject *py_force_generic(PyObject *self, PyObject *arg) {
+    (void)self;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    if (on) g_avx2 = 0;
+    else g_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(kind, w, rows, cols, x, n, y, mode)"},
+    {"dequantize_t", (PyCFunction)(void (*)(void))py_dequantize_t, METH_FASTCALL,
+     "dequantize_t(kind, w, rows, cols, out[cols, rows])"},
+    {"set_num_threads", py_set_num_threads, METH_O, "threads used by the kernels (including the caller)"},
+    {"get_num_threads", py_get_num_threads, METH_NOARGS, ""},
+    {"set_spin_us", py_set_spin_us, METH_O, "how long idle workers spin before sleeping (microseconds)"},
+    {"isa", py_isa, METH_NOARGS, "'avx2' or 'generic'"},
+    {"force_generic", py_force_generic, METH_O, "testing: use the portable kernels"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+    __builtin_cpu_init();
+    g_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    const char *force = getenv("QUANT_KERNELS_GENERIC");
+    if (force && *force && *force != '0') g_avx2 = 0;
+    long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+    P.nthreads = ncpu < 1 ? 1 : (ncpu > MAX_THREADS ? MAX_THREADS : (int)ncpu);
+    pthread_atfork(NULL, NULL, pool_after_fork_child);
+    return PyModule_Create(&moddef);
+}
