@@ -17,10 +17,11 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchmarks.common import gemm_gflops, machine_line, median_time, publish, read_bandwidth_gbs
+from benchmarks.common import gemm_gflops, machine_line, publish, read_bandwidth_gbs
 from build_engine.spec import load_engine_config
 from service.engine.runners import numpy_runner
 from service.engine.runners.base import ForwardBatch, SeqChunk
@@ -119,79 +120,150 @@ def breakdown(runner: NumpyRunner, fn: Callable[[], object]) -> dict[str, float]
     return {c: v / total for c, v in shares.items()}
 
 
+@dataclass
+class EngineRun:
+    """One engine's measurements, gathered over interleaved rounds."""
+
+    path: str
+    runner: NumpyRunner
+    prefill_s: list[float] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return self.runner.weight_format
+
+
+def _measure_round(run: EngineRun, prompt: list[int], short: list[int], steps: int) -> None:
+    start = time.perf_counter()
+    prefill_once(run.runner, prompt)
+    run.prefill_s.append(time.perf_counter() - start)
+    run.decode_s.append(statistics.median(decode_run(run.runner, short, steps)))
+
+
+def _peer_round(peer: dict | None, llama_python: str | None, gguf: str, args: argparse.Namespace) -> dict | None:
+    if llama_python is None:
+        return None
+    from benchmarks.llamacpp_peer import single_stream
+
+    r = single_stream(llama_python, gguf, threads=2, prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
+                      runs=1)  # fmt: skip
+    peer = peer or {"decode_tok_s": [], "prefill_tok_s": []}
+    peer["decode_tok_s"].append(r["decode_tok_s"])
+    peer["prefill_tok_s"].append(r["prefill_tok_s"])
+    return peer
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", default="engines/smollm2-135m")
-    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--engine", nargs="+", default=["engines/smollm2-135m"],
+                   help="engine directories (e.g. the default, packed, engine and a --weight-only none one)")  # fmt: skip
+    p.add_argument("--runs", type=int, default=5, help="interleaved rounds (every engine and the peer each round)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--decode-context", type=int, default=16, help="prompt tokens before the decode steps")
+    p.add_argument("--llama-python", help="a Python with llama-cpp-python: llama.cpp measured in the same run")
     p.add_argument("--write", action="store_true", help="write the results into docs/benchmarks.md")
     args = p.parse_args()
 
-    config = load_engine_config(args.engine)
     tokens = max(args.prompt_len, args.decode_context + args.decode_tokens)
-    runner = NumpyRunner(args.engine, num_kv_blocks=-(-tokens // config.limits.kv_block_size), config=config)
+    runs = []
+    for path in args.engine:
+        config = load_engine_config(path)
+        blocks = -(-tokens // config.limits.kv_block_size)
+        runs.append(EngineRun(path, NumpyRunner(path, num_kv_blocks=blocks, config=config)))
     rng = np.random.default_rng(0)
-    vocab = runner.config.arch.vocab_size
+    vocab = runs[0].runner.config.arch.vocab_size
     prompt = rng.integers(100, vocab, size=args.prompt_len).tolist()
     short = prompt[: args.decode_context]
+    gguf = _gguf_of(runs[0].runner)
 
     print("measuring ceilings ...", file=sys.stderr)
     gemm = gemm_gflops(args.runs)
     bw = read_bandwidth_gbs(args.runs)
     bandwidth = max(bw.values())
+    for run in runs:  # warm-up: page in, compile
+        _measure_round(run, prompt[:64], short, 4)
+        run.prefill_s.clear()
+        run.decode_s.clear()
+    peer = None
+    for r in range(args.runs):
+        print(f"round {r + 1}/{args.runs} ...", file=sys.stderr)
+        for run in runs:
+            _measure_round(run, prompt, short, args.decode_tokens)
+        peer = _peer_round(peer, args.llama_python, gguf, args)
+    lines = _report(args, runs, peer, gemm, bw, bandwidth, prompt, short)
+    publish("engine_bench", lines, args.write)
 
-    print("measuring prefill ...", file=sys.stderr)
-    prefill_s = median_time(lambda: prefill_once(runner, prompt), args.runs)
-    print("measuring decode ...", file=sys.stderr)
-    decode_runs = [statistics.median(decode_run(runner, short, args.decode_tokens)) for _ in range(args.runs)]
-    decode_s = statistics.median(decode_runs)
-    prefill_share = breakdown(runner, lambda: prefill_once(runner, prompt))
-    decode_share = breakdown(runner, lambda: decode_run(runner, short, args.decode_tokens))
 
-    flops = prefill_flops(runner, args.prompt_len)
-    prefill_gflops = flops / prefill_s / 1e9
+def _gguf_of(runner: NumpyRunner) -> str:
+    from build_engine.gguf_source import smollm2_gguf_path
+
+    return str(smollm2_gguf_path()) if runner.config.source.get("kind") == "gguf" else ""
+
+
+def _report(args, runs, peer, gemm, bw, bandwidth, prompt, short) -> list[str]:
     mean_ctx = args.decode_context + args.decode_tokens / 2
-    step_bytes = weight_bytes_per_step(runner) + kv_bytes(runner, int(mean_ctx))
-    roofline_s = step_bytes / (bandwidth * 1e9)
-
     lines = [
         "## Native engine, single request (`python -m benchmarks.engine_bench`)",
         "",
-        f"Command: `python -m benchmarks.engine_bench --engine {args.engine} --runs {args.runs} --write`  ",
-        f"Machine: {machine_line()}. Medians of {args.runs} runs; ceilings measured in the same run.",
+        f"Command: `python -m benchmarks.engine_bench --engine {' '.join(args.engine)} --runs {args.runs}"
+        + (" --llama-python PY" if args.llama_python else "")
+        + " --write`  ",
+        f"Machine: {machine_line()}. Medians of {args.runs} interleaved rounds (every engine"
+        + (", then llama.cpp," if peer else "")
+        + " in each); ceilings measured in the same run.",
         "",
-        "| Ceiling | Value |",
-        "|---|---|",
-        f"| fp32 GEMM 2048^3 | {gemm:.0f} GFLOP/s |",
-        f"| read bandwidth: numpy sum 1 thread / 2 threads / GEMV [N,1024] / GEMV [N,576] | "
-        f"{bw['sum_1_thread']:.1f} / {bw['sum_2_threads']:.1f} / {bw['gemv_1024']:.1f} / {bw['gemv_576']:.1f} GB/s "
-        f"(ceiling used: the best, {bandwidth:.1f}) |",
-        f"| bytes per decode step (weights + mean KV) | {step_bytes / 1e6:.0f} MB -> roofline "
-        f"{roofline_s * 1e3:.1f} ms/token ({1 / roofline_s:.0f} tok/s) |",
+        f"Ceilings: fp32 GEMM 2048^3 {gemm:.0f} GFLOP/s; read bandwidth (numpy sum 1 / 2 threads, GEMV [N,1024] / "
+        f"[N,576]) {bw['sum_1_thread']:.1f} / {bw['sum_2_threads']:.1f} / {bw['gemv_1024']:.1f} / "
+        f"{bw['gemv_576']:.1f} GB/s, the best ({bandwidth:.1f}) used for the rooflines.",
         "",
-        "| Phase | Measured | Ceiling | Ratio | Target |",
-        "|---|---|---|---|---|",
-        f"| prefill, {args.prompt_len}-token prompt | {prefill_s * 1e3:.0f} ms = "
-        f"{args.prompt_len / prefill_s:.0f} tok/s, "
-        f"{prefill_gflops:.0f} GFLOP/s | GEMM {gemm:.0f} GFLOP/s | **{prefill_gflops / gemm:.2f}x** | >= 0.5x |",
-        f"| decode, {args.decode_tokens} tokens | {decode_s * 1e3:.1f} ms/token = {1 / decode_s:.1f} tok/s | "
-        f"roofline {roofline_s * 1e3:.1f} ms | **{roofline_s / decode_s:.2f}x** | >= 0.4x |",
-        "",
-        "Where the time goes (share of the step, one instrumented run):",
-        "",
-        "| Part | Prefill | Decode |",
-        "|---|---|---|",
+        "| Weights | Bytes read per decode step | Decode ms/token (tok/s) | x roofline of those bytes | Matmul G weights/s "
+        f"| Prefill {args.prompt_len} tok/s (GFLOP/s) | x GEMM rate |",
+        "|---|---|---|---|---|---|---|",
     ]
+    for run in runs:
+        r = run.runner
+        step_bytes = weight_bytes_per_step(r) + kv_bytes(r, int(mean_ctx))
+        roofline = step_bytes / (bandwidth * 1e9)
+        decode = statistics.median(run.decode_s)
+        prefill = statistics.median(run.prefill_s)
+        share = breakdown(r, lambda r=r: decode_run(r, short, args.decode_tokens))
+        matmul_s = decode * (share["matmuls"] + share["LM head"])
+        weights = sum(w.size for layer in r.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        weights += r.lm_head.size
+        gflops = prefill_flops(r, args.prompt_len) / prefill / 1e9
+        lines.append(
+            f"| {run.label} | {step_bytes / 1e6:.0f} MB | {decode * 1e3:.1f} ({1 / decode:.1f}) | "
+            f"**{roofline / decode:.2f}x** | {weights / matmul_s / 1e9:.1f} | {args.prompt_len / prefill:.0f} "
+            f"({gflops:.0f}) | **{gflops / gemm:.2f}x** |"
+        )
+    if peer:
+        d, pf = statistics.median(peer["decode_tok_s"]), statistics.median(peer["prefill_tok_s"])
+        lines += [
+            "",
+            f"llama.cpp (llama-cpp-python, same GGUF, 2 threads, same run): decode {d:.1f} tok/s, prefill "
+            f"{args.prompt_len} tokens {pf:.0f} tok/s.",
+            "",
+            "| Weights | decode vs llama.cpp | prefill vs llama.cpp |",
+            "|---|---|---|",
+            *(f"| {run.label} | **{(1 / statistics.median(run.decode_s)) / d:.2f}x** | "
+              f"**{(args.prompt_len / statistics.median(run.prefill_s)) / pf:.2f}x** |" for run in runs),
+        ]  # fmt: skip
+    else:
+        lines += ["", "llama.cpp: not measured in this run (llama-cpp-python is not installed here; --llama-python)."]
+    lines += ["", "Where the time goes (share of the step, one instrumented run each):", "",
+              "| Part | " + " | ".join(f"{r.label} prefill | {r.label} decode" for r in runs) + " |",
+              "|---|" + "---|---|" * len(runs)]  # fmt: skip
+    shares = [(breakdown(r.runner, lambda r=r: prefill_once(r.runner, prompt)),
+               breakdown(r.runner, lambda r=r: decode_run(r.runner, short, args.decode_tokens))) for r in runs]  # fmt: skip
     for c in CATEGORIES:
-        lines.append(f"| {c} | {prefill_share[c] * 100:.0f}% | {decode_share[c] * 100:.0f}% |")
-    lines += [
-        "",
-        f"Prefill FLOPs counted: 2 x layer parameters x tokens + causal attention + one LM-head row = "
-        f"{flops / 1e9:.1f} GFLOP. Decode runs: {', '.join(f'{t * 1e3:.1f}' for t in decode_runs)} ms/token.",
-    ]
-    publish("engine_bench", lines, args.write)
+        lines.append(f"| {c} | " + " | ".join(f"{pf[c] * 100:.0f}% | {dc[c] * 100:.0f}%" for pf, dc in shares) + " |")
+    for run in runs:
+        lines.append("")
+        lines.append(f"{run.label}: decode rounds {', '.join(f'{t * 1e3:.1f}' for t in run.decode_s)} ms/token; "
+                     f"prefill rounds {', '.join(f'{t * 1e3:.0f}' for t in run.prefill_s)} ms.")  # fmt: skip
+    return lines
 
 
 if __name__ == "__main__":

@@ -60,6 +60,11 @@ class PackedMatrix:
     def nbytes(self) -> int:
         return self.data.nbytes
 
+    @property
+    def size(self) -> int:
+        """Weights held (rows x cols), as numpy's size counts them."""
+        return self.rows * self.cols
+
 
 def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
     """uint8 array of the given shape whose first byte is `align`-aligned (AVX loads like 32/64-byte alignment)."""
