@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 from service.api.server import LLMServer
 from service.backends import preflight
-from service.config import BACKENDS, FAILURE_POLICIES, BackendConfig, ServerConfig, get_path, replace_path
+from service.config import (
+    BACKENDS,
+    FAILURE_POLICIES,
+    TRITON_MODELS,
+    BackendConfig,
+    ServerConfig,
+    get_path,
+    replace_path,
+)
 
 logger = logging.getLogger("service")
 
@@ -100,6 +108,27 @@ FLAGS = (
         "backend.trtllm.enable_chunked_context",
         "trtllm: prefill long prompts in one piece instead of chunks",
         negate=True,
+    ),
+    Flag(
+        "--triton-port",
+        "triton_port",
+        "also serve Triton's KServe v2 gRPC protocol (models ensemble, tensorrt_llm, ...) on this port, over the "
+        "same backend, auth and TLS (-1: off; 0 picks a free port)",
+        int,
+        none_below_zero=True,
+    ),
+    Flag("--triton-url", "backend.triton.url", "triton backend: HOST:PORT of the Triton server's gRPC endpoint"),
+    Flag(
+        "--triton-model",
+        "backend.triton.model",
+        "triton backend: tensorrt_llm (token ids in and out: exact token parity) or ensemble (text in and out)",
+        choices=TRITON_MODELS,
+    ),
+    Flag(
+        "--triton-ready-timeout",
+        "backend.triton.ready_timeout_s",
+        "triton backend: seconds to wait at startup for the Triton server and model to be ready",
+        float,
     ),
     Flag("--tls-cert", "tls_cert", "server certificate (PEM); enables TLS"),
     Flag("--tls-key", "tls_key", "server private key (PEM)"),
