@@ -157,6 +157,11 @@ class TritonServicer(GRPCInferenceServiceServicer):
         self.llm = llm  # the llm.v1 servicer: its backend, RPC slots, drain flags, metrics and tokenizer pool
         self.server_version = _version()
         self._stats = {name: _ModelStats() for name in MODELS}
+        self._draining = asyncio.Event()
+
+    def begin_drain(self) -> None:
+        """The server drains: streams take no more requests and end once theirs have (idle ones at once)."""
+        self._draining.set()
 
     # ---- registration --------------------------------------------------------------------------------------
     def generic_handler(self) -> grpc.GenericRpcHandler:
@@ -420,14 +425,25 @@ class TritonServicer(GRPCInferenceServiceServicer):
                     task = asyncio.ensure_future(self._stream_one(raw, queue, stream))
                     stream.tasks[task] = ""
                     task.add_done_callback(forget)
-                await asyncio.gather(*list(stream.tasks), return_exceptions=True)
-            except asyncio.CancelledError:
-                raise
             except Exception:  # the request stream broke (client gone): the handler is ending too
                 logger.debug("ModelStreamInfer request stream ended with an error", exc_info=True)
-            await queue.put(None)  # the client closed its side and every request has ended
 
-        reader = asyncio.ensure_future(read())
+        async def supervise() -> None:
+            """End the stream once the client has closed its side (or the server drains) and its requests ended."""
+            reading = asyncio.ensure_future(read())
+            draining = asyncio.ensure_future(self._draining.wait())
+            try:
+                await asyncio.wait({reading, draining}, return_when=asyncio.FIRST_COMPLETED)
+                if not reading.done():  # draining: take no more requests; an idle stream ends now
+                    reading.cancel()
+                await asyncio.gather(reading, return_exceptions=True)
+                await asyncio.gather(*list(stream.tasks), return_exceptions=True)
+                await queue.put(None)
+            finally:
+                reading.cancel()
+                draining.cancel()
+
+        reader = asyncio.ensure_future(supervise())
         try:
             while True:
                 item = await queue.get()
