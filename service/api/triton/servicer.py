@@ -59,6 +59,7 @@ STREAM_BUFFER = 16  # responses waiting to be written per stream; beyond, its re
 EXTENSIONS = ("model_configuration", "binary_tensor_data", "parameters", "statistics")
 HEALTH_RPCS = ("ServerLive", "ServerReady", "ModelReady")  # answered like grpc.health: no RPC slot
 DECOUPLED_INFER = "ModelInfer RPC doesn't support models with decoupled transaction policy"  # Triton's words
+Response = service_pb2.ModelInferResponse | service_pb2.ModelStreamInferResponse  # unary | streamed
 
 
 @dataclass(slots=True)
@@ -96,7 +97,7 @@ class _Responder:
         self.text: list[str] = []
         self.extras = bool(call.outputs & {*PERF_OUTPUTS, *COUNT_OUTPUTS})
 
-    def delta(self, out: RequestOutput) -> service_pb2.ModelInferResponse | None:
+    def delta(self, out: RequestOutput) -> Response | None:
         has = bool(out.new_token_ids or out.new_text)
         if self.call.stream:
             if not out.finished:
@@ -113,18 +114,18 @@ class _Responder:
             text, ids = (self.call.text or "") + text, self.prompt_ids + ids
         return self._build(ids, text, out, count=len(self.ids))
 
-    def stopped(self) -> service_pb2.ModelInferResponse:
+    def stopped(self) -> Response:
         """The last response of a request ended by a `stop` request (as TensorRT-LLM: final, no new tokens)."""
         return self._build([], "", None, final=True)
 
-    def empty(self) -> service_pb2.ModelInferResponse:
-        return ResponseBuilder(self.call.model.name, MODEL_VERSION, self.call.client_id).final(True)
+    def empty(self) -> Response:
+        return ResponseBuilder(self.call.model.name, MODEL_VERSION, self.call.client_id, stream=True).final(True)
 
     def _build(
         self, ids: list[int], text: str, out: RequestOutput | None, count: int | None = None, final: bool = False
-    ) -> service_pb2.ModelInferResponse:
+    ) -> Response:
         want = self.call.outputs
-        b = ResponseBuilder(self.call.model.name, MODEL_VERSION, self.call.client_id)
+        b = ResponseBuilder(self.call.model.name, MODEL_VERSION, self.call.client_id, stream=not self.unary)
         if "text_output" in want:
             b.add("text_output", "BYTES", np.array([[text.encode()]], dtype=np.object_))
         if "output_ids" in want:
@@ -364,7 +365,7 @@ class TritonServicer(GRPCInferenceServiceServicer):
 
     async def _run(
         self, call: TritonCall, backend: Backend, unary: bool, empty_final: bool, progress: _Progress
-    ) -> AsyncIterator[service_pb2.ModelInferResponse]:
+    ) -> AsyncIterator[Response]:
         """Generate, yielding the responses (closing this generator aborts the request in the backend)."""
         ids = await self._prompt_ids(call, backend)
         request_id = call.client_id if REQUEST_ID.fullmatch(call.client_id) else f"triton-{uuid.uuid4().hex}"
@@ -471,11 +472,11 @@ class TritonServicer(GRPCInferenceServiceServicer):
                 if call.stop:
                     self._stop(stream, me, client_id)
                     if empty_final:
-                        await queue.put(service_pb2.ModelStreamInferResponse(infer_response=_empty(call)))
+                        await queue.put(_empty(call))
                     return
                 async with contextlib.aclosing(self._run(call, backend, False, empty_final, progress)) as responses:
                     async for resp in responses:
-                        await queue.put(service_pb2.ModelStreamInferResponse(infer_response=resp))
+                        await queue.put(resp)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             if me not in stream.stopped:  # the stream itself was cancelled: nothing more can be written
@@ -483,7 +484,7 @@ class TritonServicer(GRPCInferenceServiceServicer):
             if hasattr(me, "uncancel"):  # ended by a `stop` request of this stream, not by the stream's end
                 me.uncancel()
             if progress.responder is not None:  # TensorRT-LLM sends a final response for a stopped request
-                await queue.put(service_pb2.ModelStreamInferResponse(infer_response=progress.responder.stopped()))
+                await queue.put(progress.responder.stopped())
         except Exception as exc:
             code, message = status_for(exc, client_id or None, progress.tokens)
             await queue.put(_error(message, model, client_id))
@@ -506,8 +507,8 @@ def _version() -> str:
         return "unknown"
 
 
-def _empty(call: TritonCall) -> service_pb2.ModelInferResponse:
-    return ResponseBuilder(call.model.name, MODEL_VERSION, call.client_id).final(True)
+def _empty(call: TritonCall) -> service_pb2.ModelStreamInferResponse:
+    return ResponseBuilder(call.model.name, MODEL_VERSION, call.client_id, stream=True).final(True)
 
 
 def _error(message: str, model: str, client_id: str) -> service_pb2.ModelStreamInferResponse:

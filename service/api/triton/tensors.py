@@ -144,10 +144,13 @@ def scalar(tensors: dict[str, np.ndarray], name: str):
 
 
 class ResponseBuilder:
-    """One ModelInferResponse: outputs in order, each with its raw contents (Triton's wire layout)."""
+    """One ModelInferResponse: outputs in order, each with its raw contents (Triton's wire layout); for a stream,
+    built in place inside its ModelStreamInferResponse (no copy)."""
 
-    def __init__(self, model_name: str, version: str, request_id: str) -> None:
-        self.response = service_pb2.ModelInferResponse(model_name=model_name, model_version=version, id=request_id)
+    def __init__(self, model_name: str, version: str, request_id: str, stream: bool = False) -> None:
+        self.message = service_pb2.ModelStreamInferResponse() if stream else service_pb2.ModelInferResponse()
+        self.response = self.message.infer_response if stream else self.message
+        self.response.model_name, self.response.model_version, self.response.id = model_name, version, request_id
 
     def add(self, name: str, datatype: str, values: np.ndarray) -> None:
         self.response.outputs.add(name=name, datatype=datatype, shape=list(values.shape))
@@ -157,6 +160,7 @@ class ResponseBuilder:
             raw = np.ascontiguousarray(values, dtype=NUMPY[datatype]).tobytes()
         self.response.raw_output_contents.append(raw)
 
-    def final(self, final: bool) -> service_pb2.ModelInferResponse:
+    def final(self, final: bool):
+        """The message (ModelStreamInferResponse for a stream), with triton_final_response set."""
         self.response.parameters["triton_final_response"].bool_param = final
-        return self.response
+        return self.message
