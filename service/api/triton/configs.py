@@ -41,8 +41,13 @@ def model_config(
     served_only: bool = True,
     instance_count: int = 1,
     decoupled: bool | None = None,
+    ensemble_policy: bool = True,
 ) -> mc.ModelConfig:
-    """The ModelConfig of one model; served_only=False declares every tensor of TensorRT-LLM's own model."""
+    """The ModelConfig of one model; served_only=False declares every tensor of TensorRT-LLM's own model.
+
+    ensemble_policy=False leaves model_transaction_policy off the ensemble, as TensorRT-LLM's template does (a
+    Triton ensemble is decoupled through its steps); the front door states it, for tools that read only the
+    ensemble's config."""
     cfg = mc.ModelConfig(name=spec.name, max_batch_size=max_batch_size)
     if spec.kind == "ensemble":
         cfg.platform = "ensemble"
@@ -52,7 +57,7 @@ def model_config(
     cfg.input.extend(_input(t) for t in spec.inputs if keep(t))
     cfg.output.extend(_output(t) for t in spec.outputs if keep(t))
     is_decoupled = spec.decoupled if decoupled is None else decoupled
-    if spec.kind in ("ensemble", "tensorrt_llm"):
+    if spec.kind == "tensorrt_llm" or (spec.kind == "ensemble" and ensemble_policy):
         cfg.model_transaction_policy.decoupled = is_decoupled
     if spec.kind == "ensemble":
         for step in spec.steps:
