@@ -46,7 +46,12 @@ class Flag:
 
 
 FLAGS = (
-    Flag("--engine", "backend.engine_dir", "engine directory written by python -m build_engine"),
+    Flag(
+        "--engine",
+        "backend.engine_dir",
+        "engine directory written by python -m build_engine (triton backend: the one the Triton server serves, for "
+        "its tokenizer and limits)",
+    ),
     Flag(
         "--backend",
         "backend.backend",
@@ -185,8 +190,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         prog="python -m service",
-        description="Serve an engine over gRPC (llm.v1.LLMService, grpc.health.v1, reflection) with Prometheus "
-        "metrics. Every flag can also be set by the environment variable shown in brackets.",
+        description="Serve an engine over gRPC (llm.v1.LLMService, grpc.health.v1, reflection; with --triton-port, "
+        "Triton's KServe v2 protocol too) with Prometheus metrics. Every flag can also be set by the environment "
+        "variable shown in brackets.",
     )
     for flag in FLAGS:
         _add(p, flag)

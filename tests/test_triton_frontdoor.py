@@ -499,3 +499,11 @@ def test_unary_deadline_aborts_in_the_engine(server: ServerThread, url: str) -> 
     assert "DEADLINE_EXCEEDED" in err.value.status()
     assert _idle(server)  # the request was aborted at the deadline, not run to its 990 tokens
     assert server.metric("llm_triton_requests_total", 'code="DEADLINE_EXCEEDED",model="ensemble_sync"') == 1
+
+
+def test_api_docs_name_every_served_tensor() -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
+    for name in ("ensemble", "tensorrt_llm"):
+        spec = MODELS[name]
+        missing = [t.name for t in (*spec.served_inputs, *spec.outputs) if t.served and f"`{t.name}`" not in text]
+        assert not missing, f"docs/api.md does not describe {name}'s {missing}"
