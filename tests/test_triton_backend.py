@@ -4,6 +4,7 @@ follows A's health down and back up."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -161,6 +162,30 @@ def test_cancelling_on_b_frees_the_kv_blocks_of_a(a: ServerThread, b: ServerThre
     for call in calls:
         call.cancel()
     assert _idle(b) and _idle(a)  # cancelled through to A's engine: every block back within seconds
+
+
+def test_no_thread_is_left_behind(a: ServerThread, b: ServerThread) -> None:
+    """Every request's stream is closed for good (tritonclient's cancel alone leaks gRPC's sending thread)."""
+    _gen(b, prompt="warm up")  # the backend's small pools exist from here
+    before = threading.active_count()
+
+    def one(i: int) -> None:
+        req = llm_pb2.GenerateRequest(
+            prompt=f"Hi {i}", stopping=llm_pb2.StoppingParams(max_tokens=40, ignore_eos=True)
+        )
+        call = b.stub().Generate(req, timeout=60)
+        for n, _ in enumerate(call):
+            if i % 2 and n == 1:
+                call.cancel()
+                return
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(40)))
+    assert _idle(b) and _idle(a)
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before + 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before + 4  # not one per request (40 would be left)
 
 
 def _health(srv: ServerThread) -> int:

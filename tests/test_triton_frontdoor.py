@@ -325,6 +325,8 @@ def test_attacks_get_clear_errors_and_leak_nothing(server: ServerThread, url: st
         "negative shape": (_request(**{**GOOD, "max_tokens": ("INT32", [1, -1], b"")}), "unexpected shape"),
         "unknown model": (_request("nope", **GOOD), "Request for unknown model: 'nope' is not found"),
         "long id": (_request(request_id="x" * 2000, **GOOD), "longer than 1024 bytes"),
+        "long list": (_request(**GOOD, stop_words=("BYTES", [1, 5000], _bytes(*[b""] * 5000))),
+                      "input 'stop_words' has 5000 elements, more than 256"),
         "bad empty-final parameter": (None, "expected bool_param"),
     }  # fmt: skip
     bad_param = _request(**GOOD)
@@ -342,15 +344,17 @@ def test_attacks_get_clear_errors_and_leak_nothing(server: ServerThread, url: st
     cases["unknown output"] = (unknown_output, "unexpected inference output 'logits'")
     messages = [case.SerializeToString() for case, _ in cases.values()]
     messages.append(b"\x0a\xff\xff\xff\xff\x0f")  # a truncated length-delimited field: not a message at all
+    messages.append(b"\x0a\x08ensemble\x1a\x02\xff\xfe")  # a request id that is not UTF-8
     ok = _request(request_id="ok", **GOOD)
     ok.parameters["triton_enable_empty_final_response"].bool_param = True
     messages.append(ok.SerializeToString())  # the stream is still usable after all of that
     responses = _raw_stream(url, messages)
     errors = [r.error_message for r in responses if r.error_message]
-    assert len(errors) == len(cases) + 1
+    assert len(errors) == len(cases) + 2
     for name, (_, expected) in cases.items():
         assert any(expected in e for e in errors), f"{name}: no error containing {expected!r} in {errors}"
-    assert any("not a valid inference.ModelInferRequest" in e or "UTF-8" in e for e in errors)
+    assert "request is not a valid inference.ModelInferRequest message" in errors
+    assert "id is not valid UTF-8" in errors
     good = [r.infer_response for r in responses if not r.error_message]
     assert good and good[-1].id == "ok" and good[-1].parameters["triton_final_response"].bool_param
     assert _idle(server)

@@ -208,6 +208,11 @@ class TritonBackend:
 
 def _close_stream(client, cancel: bool) -> None:
     try:
+        # NOTE: tritonclient 2.73's stop_stream(cancel_requests=True) leaves gRPC's request-sending thread blocked
+        # on the stream's request queue (a thread leaked per cancelled stream); the end marker lets it finish
+        queue = getattr(getattr(client, "_stream", None), "_request_queue", None)
+        if queue is not None:
+            queue.put(None)
         client.stop_stream(cancel_requests=cancel)
     finally:
         client.close()

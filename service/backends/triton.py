@@ -85,6 +85,18 @@ def channel_args(cfg: TritonConfig) -> list[tuple[str, int]]:
     ]
 
 
+def end_requests(client: InferenceServerClient) -> None:
+    """End the request side of the client's stream (what stop_stream(cancel_requests=False) does first).
+
+    NOTE: tritonclient 2.73's stop_stream(cancel_requests=True) cancels the call but leaves gRPC's thread that
+    sends the requests blocked on the stream's request queue for ever: one leaked thread per stream. Putting the
+    end marker in first lets that thread finish; the cancel then ends the call at once."""
+    stream = getattr(client, "_stream", None)
+    queue = getattr(stream, "_request_queue", None)
+    if queue is not None:
+        queue.put(None)
+
+
 def _engine_config(engine_dir: Path) -> EngineConfig:
     """Our engine config: config.json of a native engine, the manifest's copy for a TensorRT-LLM engine."""
     if engine_backend(engine_dir) == "native":
@@ -428,6 +440,7 @@ class TritonBackend(BackendRuntime):
 
         def close() -> None:
             try:
+                end_requests(client)
                 client.stop_stream(cancel_requests=cancel)
             except Exception:  # a broken stream: the client cannot be reused
                 logger.debug("stop_stream failed", exc_info=True)

@@ -162,11 +162,11 @@ def to_call(
             raise InvalidRequest("input_ids is required")
         if "bad_words_list" in tensors:
             raise InvalidRequest("bad_words_list is not supported by this server")
-        ids = tensors["input_ids"].reshape(-1).tolist()
+        ids = tensors["input_ids"].reshape(-1)
         length = _num(tensors, "input_lengths", int)
         if not 1 <= length <= len(ids):
             raise InvalidRequest(f"input_lengths must be in [1, {len(ids)}] (the ids given), got {length}")
-        prompt_ids = ids[:length]
+        prompt_ids = ids[:length].tolist()
         max_tokens = _num(tensors, "request_output_len", int)
         stream = bool(scalar(tensors, "streaming"))
         stop_ids = _word_list(model, tensors, "stop_words_list")

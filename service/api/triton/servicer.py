@@ -420,12 +420,21 @@ class TritonServicer(GRPCInferenceServiceServicer):
             stream.tasks.pop(task, None)
             stream.stopped.discard(task)
 
+        # requests of this stream running at most (beyond, the reader waits and gRPC's flow control holds the
+        # client back): a client that sends without reading cannot pile up tasks
+        room = asyncio.Semaphore(max(1, self.llm.max_active_rpcs) + STREAM_BUFFER)
+
+        def done(task: asyncio.Task) -> None:
+            forget(task)
+            room.release()
+
         async def read() -> None:
             try:
                 async for raw in requests:
+                    await room.acquire()
                     task = asyncio.ensure_future(self._stream_one(raw, queue, stream))
                     stream.tasks[task] = ""
-                    task.add_done_callback(forget)
+                    task.add_done_callback(done)
             except Exception:  # the request stream broke (client gone): the handler is ending too
                 logger.debug("ModelStreamInfer request stream ended with an error", exc_info=True)
 

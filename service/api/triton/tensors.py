@@ -28,7 +28,8 @@ CONTENTS = {
     "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
     "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
 }  # fmt: skip
-MAX_ELEMENTS = 1 << 20  # no input of these models needs more elements (input_ids is bounded by max_seq_len)
+MAX_ELEMENTS = 1 << 20  # input_ids: bounded again by max_seq_len at admission (as llm.v1's prompt_token_ids)
+MAX_LIST_ELEMENTS = 256  # any other variable-length input (stop words, word lists): a few dozen mean anything
 
 
 def _shape_text(shape: Iterable[int]) -> str:
@@ -51,8 +52,9 @@ def _check_shape(model: ModelSpec, spec: Tensor, shape: list[int]) -> int:
             f"(shape [1, ...]); send one request per prompt"
         )
     count = math.prod(shape)
-    if count > MAX_ELEMENTS:
-        raise InvalidRequest(f"input '{spec.name}' has {count} elements, more than {MAX_ELEMENTS}")
+    limit = MAX_ELEMENTS if spec.name == "input_ids" else MAX_LIST_ELEMENTS
+    if count > limit:  # checked before any element is decoded: a long list costs nothing
+        raise InvalidRequest(f"input '{spec.name}' has {count} elements, more than {limit}")
     return count
 
 
