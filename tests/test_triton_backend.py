@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.llm.v1 import llm_pb2
+from service.errors import BackendLoadError
 from tests.engines import build_tiny
 from tests.servers import ServerThread, free_port, make_config, running_server
 
@@ -170,9 +171,7 @@ def test_no_thread_is_left_behind(a: ServerThread, b: ServerThread) -> None:
     before = threading.active_count()
 
     def one(i: int) -> None:
-        req = llm_pb2.GenerateRequest(
-            prompt=f"Hi {i}", stopping=llm_pb2.StoppingParams(max_tokens=40, ignore_eos=True)
-        )
+        req = llm_pb2.GenerateRequest(prompt=f"Hi {i}", stopping=llm_pb2.StoppingParams(max_tokens=40, ignore_eos=True))
         call = b.stub().Generate(req, timeout=60)
         for n, _ in enumerate(call):
             if i % 2 and n == 1:
@@ -250,6 +249,6 @@ def test_streams_in_flight_fail_cleanly_when_a_dies(engine_dir: Path) -> None:
 
 def test_b_does_not_start_without_a_triton_server(engine_dir: Path) -> None:
     srv = ServerThread(_b_config(engine_dir, free_port(), **{"backend.triton.ready_timeout_s": 0.5}))
-    with pytest.raises(OSError, match="is not ready with model 'tensorrt_llm'"):
+    with pytest.raises(BackendLoadError, match=r"is not ready with model 'tensorrt_llm' after 0\.5 s"):
         srv.start()
     srv.stop()

@@ -46,7 +46,7 @@ from build_engine import spec
 from build_engine.spec import EngineConfig, EngineFormatError, engine_backend, load_engine_config
 from service.backends.base import BackendInfo
 from service.config import BackendConfig, TritonConfig
-from service.errors import EngineUnavailable, InvalidRequest
+from service.errors import BackendLoadError, EngineUnavailable, InvalidRequest
 from service.limits import check_request
 from service.request import GenerateRequest, RequestOutput, RequestTiming, SamplingParams
 from service.runtime import BackendRuntime
@@ -156,7 +156,7 @@ class TritonBackend(BackendRuntime):
         super().__init__(cfg.admission)
         t = self.triton = cfg.triton
         if not t.url:
-            raise ValueError("the triton backend needs --triton-url HOST:PORT (a Triton server's gRPC endpoint)")
+            raise BackendLoadError("the triton backend needs --triton-url HOST:PORT (a Triton server's gRPC endpoint)")
         self.url, self.model = t.url, t.model
         engine_dir = Path(cfg.engine_dir)
         self.config = _engine_config(engine_dir)
@@ -187,7 +187,10 @@ class TritonBackend(BackendRuntime):
             if ready:
                 break
             if time.monotonic() >= deadline:
-                raise OSError(f"the Triton server at {self.url} is not ready with model '{self.model}': {problem}")
+                raise BackendLoadError(
+                    f"the Triton server at {self.url} is not ready with model '{self.model}' after "
+                    f"{timeout:g} s (--triton-ready-timeout): {problem}"
+                )
             if time.monotonic() - logged > 10:
                 logger.info("waiting for the Triton server at %s (%s)", self.url, problem)
                 logged = time.monotonic()
@@ -198,7 +201,7 @@ class TritonBackend(BackendRuntime):
         names = {i.name for i in config.input}
         missing = [n for n in NEEDS[self.model] if n not in names]
         if missing:
-            raise ValueError(
+            raise BackendLoadError(
                 f"model '{self.model}' on {self.url} has no input {', '.join(missing)}: is it TensorRT-LLM's "
                 f"{self.model} model?"
             )
@@ -207,7 +210,7 @@ class TritonBackend(BackendRuntime):
             for s in config.ensemble_scheduling.step
         )
         if not decoupled:
-            raise ValueError(
+            raise BackendLoadError(
                 f"model '{self.model}' on {self.url} is not decoupled: streaming needs decoupled_mode:true "
                 f"(python -m build_engine.triton_repo writes it)"
             )
@@ -483,6 +486,8 @@ class TritonBackend(BackendRuntime):
         self.deliver([out])
         if self._observer is not None:
             self._observer.on_outputs([out])
+            if out.finished:
+                self._observer.on_gauges(self.stats())
 
     def _output(self, live: _Live, result: Any, now: float) -> RequestOutput | None:
         params = result.get_response().parameters
