@@ -4,6 +4,8 @@ follows A's health down and back up."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -252,3 +254,20 @@ def test_b_does_not_start_without_a_triton_server(engine_dir: Path) -> None:
     with pytest.raises(BackendLoadError, match=r"is not ready with model 'tensorrt_llm' after 0\.5 s"):
         srv.start()
     srv.stop()
+
+
+def test_cli_refuses_without_a_reachable_triton_server(engine_dir: Path) -> None:
+    base = [sys.executable, "-m", "service", "--engine", str(engine_dir), "--backend", "triton", "--port", "0",
+            "--metrics-port", "-1"]  # fmt: skip
+    missing = subprocess.run(base, capture_output=True, text=True, timeout=60, check=False)
+    assert missing.returncode == 2 and "needs --triton-url HOST:PORT" in missing.stderr
+    assert "listening" not in missing.stderr  # refused before any port was bound
+    port = free_port()
+    down = subprocess.run(
+        [*base, "--triton-url", f"127.0.0.1:{port}", "--triton-ready-timeout", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert down.returncode == 2 and f"the Triton server at 127.0.0.1:{port} is not ready" in down.stderr
