@@ -84,7 +84,9 @@ def main() -> None:
         f"in its own process, {args.num_requests} requests per level of {args.input_len}-token synthetic prompts and "
         f"exactly {args.output_len} output tokens, over llm.v1 and over Triton's protocol (`--protocol triton "
         f"--model ensemble`: tritonclient's sync streaming client, one stream per request), interleaved, "
-        f"{args.rounds} rounds; the table gives the median output tokens/s (every round in brackets).",
+        f"{args.rounds} rounds; the table gives the median output tokens/s (every round in brackets). Rounds "
+        "are interleaved so that a busy period of a shared machine hits both protocols alike; single rounds vary "
+        "widely there, the medians are the comparison.",
         "",
         "| Concurrency | llm.v1 tok/s | Triton tok/s | Triton / llm.v1 | failed (llm.v1 / Triton) |",
         "|---|---|---|---|---|",
