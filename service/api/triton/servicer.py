@@ -34,7 +34,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 
 from service.api.servicer import DEADLINE_SLACK_S, LLMServicer
-from service.api.status import status_for
+from service.api.status import status_for, unary_errors
 from service.api.triton.configs import model_config, model_metadata
 from service.api.triton.convert import TritonCall, tensor_names, to_call
 from service.api.triton.models import COUNT_OUTPUTS, MODEL_VERSION, MODELS, PERF_OUTPUTS, ModelSpec
@@ -57,7 +57,6 @@ EMPTY_FINAL = "triton_enable_empty_final_response"
 MAX_ID_BYTES = 1024  # a KServe request id is echoed in every response: bound it
 STREAM_BUFFER = 16  # responses waiting to be written per stream; beyond, its requests' deltas merge instead
 EXTENSIONS = ("model_configuration", "binary_tensor_data", "parameters", "statistics")
-HEALTH_RPCS = ("ServerLive", "ServerReady", "ModelReady")  # answered like grpc.health: no RPC slot
 DECOUPLED_INFER = "ModelInfer RPC doesn't support models with decoupled transaction policy"  # Triton's words
 Response = service_pb2.ModelInferResponse | service_pb2.ModelStreamInferResponse  # unary | streamed
 
@@ -206,16 +205,6 @@ class TritonServicer(GRPCInferenceServiceServicer):
             raise NotFound(f"Request for unknown model: '{name}' version {version} is not found")
         return spec
 
-    async def _unary(self, context: grpc.aio.ServicerContext, fn, *args, slot: bool = True):
-        try:
-            if not slot:
-                return await fn(*args)
-            with self.llm.slot():
-                return await fn(*args)
-        except Exception as exc:
-            code, message = status_for(exc, None)
-            await context.abort(code, message)
-
     def _finished(self, model: str, code: grpc.StatusCode, started_ns: int) -> None:
         known = model if model in self._stats else "(unknown)"
         self.llm.metrics.triton_request_finished(known, code.name)
@@ -229,52 +218,43 @@ class TritonServicer(GRPCInferenceServiceServicer):
         else:
             stats.fail, stats.fail_ns = stats.fail + 1, stats.fail_ns + elapsed
 
-    # ---- health and metadata ----------------------------------------------------------------------------------
+    # ---- health and metadata (unary: errors mapped by status.unary_errors) ---------------------------------------
+    @unary_errors
     async def ServerLive(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ServerLiveResponse:
-        async def live():
-            parse(service_pb2.ServerLiveRequest, raw)
-            return service_pb2.ServerLiveResponse(live=True)
+        parse(service_pb2.ServerLiveRequest, raw)  # the health checks take no RPC slot
+        return service_pb2.ServerLiveResponse(live=True)
 
-        return await self._unary(context, live, slot=False)
-
+    @unary_errors
     async def ServerReady(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ServerReadyResponse:
-        async def ready():
-            parse(service_pb2.ServerReadyRequest, raw)
-            return service_pb2.ServerReadyResponse(ready=self._ready())
+        parse(service_pb2.ServerReadyRequest, raw)
+        return service_pb2.ServerReadyResponse(ready=self._ready())
 
-        return await self._unary(context, ready, slot=False)
-
+    @unary_errors
     async def ModelReady(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelReadyResponse:
-        async def ready():
-            req = parse(service_pb2.ModelReadyRequest, raw)
-            known = req.name in MODELS and req.version in ("", MODEL_VERSION)
-            return service_pb2.ModelReadyResponse(ready=known and self._ready())
+        req = parse(service_pb2.ModelReadyRequest, raw)
+        known = req.name in MODELS and req.version in ("", MODEL_VERSION)
+        return service_pb2.ModelReadyResponse(ready=known and self._ready())
 
-        return await self._unary(context, ready, slot=False)
-
+    @unary_errors
     async def ServerMetadata(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ServerMetadataResponse:
-        async def metadata():
+        with self.llm.slot():
             parse(service_pb2.ServerMetadataRequest, raw)
             return service_pb2.ServerMetadataResponse(
                 name="llm-grpc-serving", version=self.server_version, extensions=list(EXTENSIONS)
             )
 
-        return await self._unary(context, metadata)
-
+    @unary_errors
     async def ModelMetadata(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelMetadataResponse:
-        async def metadata():
+        with self.llm.slot():
             req = parse(service_pb2.ModelMetadataRequest, raw)
             return model_metadata(self._model(req.name, req.version))
 
-        return await self._unary(context, metadata)
-
+    @unary_errors
     async def ModelConfig(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelConfigResponse:
-        async def config():
+        with self.llm.slot():
             req = parse(service_pb2.ModelConfigRequest, raw)
             spec = self._model(req.name, req.version)
             return service_pb2.ModelConfigResponse(config=model_config(spec, 1, self._parameters(spec)))
-
-        return await self._unary(context, config)
 
     def _parameters(self, spec: ModelSpec) -> dict[str, str]:
         """What the backend is, for the tensorrt_llm model's config (TensorRT-LLM's parameter names)."""
@@ -295,10 +275,11 @@ class TritonServicer(GRPCInferenceServiceServicer):
             "llm_max_batch_size": str(i.max_batch_size),
         }
 
+    @unary_errors
     async def ModelStatistics(
         self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> service_pb2.ModelStatisticsResponse:
-        async def statistics():
+        with self.llm.slot():
             req = parse(service_pb2.ModelStatisticsRequest, raw)
             names = [self._model(req.name, req.version).name] if req.name else list(MODELS)
             resp = service_pb2.ModelStatisticsResponse()
@@ -315,20 +296,17 @@ class TritonServicer(GRPCInferenceServiceServicer):
                 m.inference_stats.fail.count, m.inference_stats.fail.ns = s.fail, s.fail_ns
             return resp
 
-        return await self._unary(context, statistics)
-
+    @unary_errors
     async def RepositoryIndex(
         self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> service_pb2.RepositoryIndexResponse:
-        async def index():
+        with self.llm.slot():
             parse(service_pb2.RepositoryIndexRequest, raw)
             state = "READY" if self._ready() else "UNAVAILABLE"
             resp = service_pb2.RepositoryIndexResponse()
             for name in MODELS:
                 resp.models.add(name=name, version=MODEL_VERSION, state=state)
             return resp
-
-        return await self._unary(context, index)
 
     # ---- inference ---------------------------------------------------------------------------------------------
     async def _prepare(self, req: service_pb2.ModelInferRequest) -> tuple[TritonCall, Backend, bool]:
