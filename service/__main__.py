@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 from service.api.server import LLMServer
 from service.backends import preflight
-from service.config import BACKENDS, FAILURE_POLICIES, BackendConfig, ServerConfig, get_path, replace_path
+from service.config import (
+    BACKENDS,
+    FAILURE_POLICIES,
+    TRITON_MODELS,
+    BackendConfig,
+    ServerConfig,
+    get_path,
+    replace_path,
+)
 
 logger = logging.getLogger("service")
 
@@ -38,7 +46,12 @@ class Flag:
 
 
 FLAGS = (
-    Flag("--engine", "backend.engine_dir", "engine directory written by python -m build_engine"),
+    Flag(
+        "--engine",
+        "backend.engine_dir",
+        "engine directory written by python -m build_engine (triton backend: the one the Triton server serves, for "
+        "its tokenizer and limits)",
+    ),
     Flag(
         "--backend",
         "backend.backend",
@@ -101,6 +114,27 @@ FLAGS = (
         "trtllm: prefill long prompts in one piece instead of chunks",
         negate=True,
     ),
+    Flag(
+        "--triton-port",
+        "triton_port",
+        "also serve Triton's KServe v2 gRPC protocol (models ensemble, tensorrt_llm, ...) on this port, over the "
+        "same backend, auth and TLS (-1: off; 0 picks a free port)",
+        int,
+        none_below_zero=True,
+    ),
+    Flag("--triton-url", "backend.triton.url", "triton backend: HOST:PORT of the Triton server's gRPC endpoint"),
+    Flag(
+        "--triton-model",
+        "backend.triton.model",
+        "triton backend: tensorrt_llm (token ids in and out: exact token parity) or ensemble (text in and out)",
+        choices=TRITON_MODELS,
+    ),
+    Flag(
+        "--triton-ready-timeout",
+        "backend.triton.ready_timeout_s",
+        "triton backend: seconds to wait at startup for the Triton server and model to be ready",
+        float,
+    ),
     Flag("--tls-cert", "tls_cert", "server certificate (PEM); enables TLS"),
     Flag("--tls-key", "tls_key", "server private key (PEM)"),
     Flag("--tls-client-ca", "tls_client_ca", "CA (PEM) that client certificates must chain to; enables mutual TLS"),
@@ -156,8 +190,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         prog="python -m service",
-        description="Serve an engine over gRPC (llm.v1.LLMService, grpc.health.v1, reflection) with Prometheus "
-        "metrics. Every flag can also be set by the environment variable shown in brackets.",
+        description="Serve an engine over gRPC (llm.v1.LLMService, grpc.health.v1, reflection; with --triton-port, "
+        "Triton's KServe v2 protocol too) with Prometheus metrics. Every flag can also be set by the environment "
+        "variable shown in brackets.",
     )
     for flag in FLAGS:
         _add(p, flag)

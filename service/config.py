@@ -44,10 +44,22 @@ class TrtllmConfig:
     enable_chunked_context: bool = True
 
 
+TRITON_MODELS = ("tensorrt_llm", "ensemble")
+
+
 @dataclass(frozen=True, slots=True)
 class TritonConfig:
     url: str = ""  # HOST:PORT of a Triton server's gRPC endpoint
     model: str = "tensorrt_llm"  # tensorrt_llm (token ids in and out) or ensemble (text)
+    ready_timeout_s: float = 300.0  # at startup, how long to wait for the Triton server and model to be ready
+    health_period_s: float = 1.0  # how often ServerReady / ModelReady are asked (NOT_SERVING within about this)
+    rpc_timeout_s: float = 2.0  # deadline of those health RPCs
+
+    def __post_init__(self) -> None:
+        if self.model not in TRITON_MODELS:
+            raise ValueError(f"triton model must be one of {TRITON_MODELS}, got {self.model!r}")
+        if self.ready_timeout_s < 0 or self.health_period_s <= 0 or self.rpc_timeout_s <= 0:
+            raise ValueError("triton ready_timeout_s must be >= 0, health_period_s and rpc_timeout_s > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,5 +34,14 @@ class DeadlineExceeded(Exception):
     """The client's deadline had passed before the request could be queued (DEADLINE_EXCEEDED)."""
 
 
+class NotFound(Exception):
+    """The request names something this server does not have (a Triton model or version) (NOT_FOUND)."""
+
+
+class Unsupported(Exception):
+    """The server has the thing asked for but does not do this with it (UNIMPLEMENTED), e.g. ModelInfer on a
+    decoupled Triton model."""
+
+
 class ServerShutdown(Exception):
     """The drain timeout ended the request (UNAVAILABLE before any output, ABORTED after some)."""

@@ -36,6 +36,14 @@ class RequestText:
         self.text += self.detok.push(token)
         return self._find_stop(before)
 
+    def push_text(self, text: str) -> str | None:
+        """Add text that arrives already detokenized (Triton's ensemble); return a stop string if one appears."""
+        if self.stopped:
+            return None
+        before = len(self.text)
+        self.text += text
+        return self._find_stop(before)
+
     def finish(self) -> str | None:
         if self.stopped:
             return None

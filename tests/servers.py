@@ -38,6 +38,8 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
+        if not self._thread.is_alive():  # stopped already (or never started): nothing would run the drain
+            return
         with contextlib.suppress(Exception):
             self.run(self.server.drain_and_stop(0))
         self.loop.call_soon_threadsafe(self.loop.stop)

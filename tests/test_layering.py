@@ -1,5 +1,6 @@
 """The layering rules of docs (ARCHITECTURE): the scheduler side imports no numpy and no grpc; the engine core
-imports no generated protobuf code."""
+imports no generated protobuf code; tritonclient is imported only by the Triton front door, backend and
+repository generator, lazily: the native path never loads it."""
 
 from __future__ import annotations
 
@@ -30,3 +31,15 @@ def test_scheduling_side_is_pure_python(module: str) -> None:
 def test_engine_does_not_import_protobuf_or_grpc(module: str) -> None:
     loaded = _loaded_after(module)
     assert not {m for m in loaded if m.split(".")[0] in ("grpc", "protos", "google")}
+
+
+@pytest.mark.parametrize(
+    "module", ["service.__main__", "service.api.server", "service.backends", "service.backends.native", "build_engine"]
+)
+def test_native_path_does_not_import_tritonclient(module: str) -> None:
+    assert not {m for m in _loaded_after(module) if m.split(".")[0] in ("tritonclient", "tritongrpcclient")}
+
+
+def test_triton_model_tables_are_a_leaf() -> None:
+    loaded = _loaded_after("service.api.triton.models")
+    assert not {m for m in loaded if m.split(".")[0] in ("tritonclient", "grpc", "numpy")}

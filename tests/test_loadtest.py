@@ -89,6 +89,13 @@ def test_triton_inputs_match_the_ensemble_contract() -> None:
     }
     assert inputs["temperature"].datatype() == "FP32" and inputs["seed"].datatype() == "UINT64"
     assert inputs["return_perf_metrics"].datatype() == "BOOL"
+    # TensorRT-LLM is greedy unless top_k or top_p is set: sampling sends the full nucleus
+    assert np.frombuffer(inputs["top_p"]._get_content(), dtype=np.float32).tolist() == [1.0]
+    assert "top_k" not in inputs
+    assert np.frombuffer(inputs["end_id"]._get_content(), dtype=np.int32).tolist() == [-1]  # ignore_eos
+    greedy = {i.name(): i for i in triton_inputs(item, Sampling(temperature=0.0, ignore_eos=False))}
+    assert np.frombuffer(greedy["top_k"]._get_content(), dtype=np.int32).tolist() == [1]
+    assert not {"temperature", "top_p", "end_id"} & set(greedy)
     tensor = inputs["max_tokens"]._get_tensor()
     assert tensor.name == "max_tokens" and list(tensor.shape) == [1, 1]
     assert np.frombuffer(inputs["max_tokens"]._get_content(), dtype=np.int32).tolist() == [64]
@@ -116,8 +123,10 @@ def _infer_result(text: bytes | None, final: bool, **int_outputs: int):
 def test_triton_streamed_responses_are_parsed() -> None:
     first = parse_triton_response(_infer_result(b" Paris", False), 0)
     assert (first.text, first.tokens, first.final) == (" Paris", 1, False)
-    counted = parse_triton_response(_infer_result(b" is nice", False, num_output_tokens=3), 1)
-    assert counted.tokens == 2  # cumulative count 3, one token seen before
+    counted = parse_triton_response(_infer_result(b" is nice", False, num_output_tokens=2), 1)
+    assert counted.tokens == 2  # the tokens of this response, whatever came before
+    again = parse_triton_response(_infer_result(b"!", False, num_output_tokens=1), 3)
+    assert again.tokens == 1  # not 1 - 3: the count is per response, not a running total
     timed = parse_triton_response(
         _infer_result(
             b".", True, arrival_time_ns=1_000_000, first_token_time_ns=21_000_000, last_token_time_ns=61_000_000

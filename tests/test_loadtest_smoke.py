@@ -62,3 +62,41 @@ def test_short_sweep_writes_the_results_contract(engine_dir: Path, tmp_path: Pat
 def test_unreachable_server_fails_cleanly(tmp_path: Path) -> None:
     code = main(["--target", "127.0.0.1:1", "--concurrency", "1", "--num-requests", "2", "--time-limit", "5"])
     assert code == 1
+
+
+def test_triton_protocol_sweep_against_the_front_door(engine_dir: Path, tmp_path: Path) -> None:
+    """`--protocol triton --model ensemble` against the service's own Triton port: no failures, and the same
+    work as the llm.v1 sweep (the same prompts, exactly the same tokens in and out)."""
+    common = [
+        "--tokenizer", str(engine_dir), "--concurrency", "1,4", "--num-requests", "8", "--input-len", "32",
+        "--output-len", "16", "--ignore-eos", "--warmup", "1", "--time-limit", "30",
+    ]  # fmt: skip
+    with running_server(engine_dir, triton_port=0) as srv:
+        triton = f"127.0.0.1:{srv.server.triton_port}"
+        code = main(["--target", triton, "--protocol", "triton", "--model", "ensemble", *common,
+                     "--output", str(tmp_path / "triton.json")])  # fmt: skip
+        llm = main(["--target", srv.target, *common, "--output", str(tmp_path / "llm.json")])
+    assert code == 0 and llm == 0
+    triton_runs = json.loads((tmp_path / "triton.json").read_text())["runs"]
+    llm_runs = json.loads((tmp_path / "llm.json").read_text())["runs"]
+    for t, r in zip(triton_runs, llm_runs, strict=True):
+        assert t["completed"] == 8 and t["failed"] == 0
+        assert t["output_tokens"] == r["output_tokens"] == 8 * 16  # counted per response, end_id=-1 honoured
+        assert t["input_tokens"] == r["input_tokens"]
+        assert 0 < t["server_ttft_ms"]["p50"] <= t["ttft_ms"]["p50"]  # from the *_time_ns outputs
+
+
+@pytest.mark.slow
+def test_triton_throughput_is_within_15_percent_of_llm_v1(smollm2_engine_dir: Path) -> None:
+    """The real model, the service as a process, the load tester in its own: medians of 3 interleaved runs."""
+    import argparse
+
+    from benchmarks.triton_bench import compare
+
+    args = argparse.Namespace(
+        concurrency="4", num_requests=8, input_len=64, output_len=32, rounds=3, kv_cache_memory="512MiB"
+    )
+    (level,) = compare(str(smollm2_engine_dir), args)["levels"]
+    assert level["llm_failed"] == level["triton_failed"] == 0
+    assert level["llm_tokens"] == level["triton_tokens"] == {8 * 32}
+    assert level["ratio"] >= 0.85, level  # Triton's protocol costs at most 15% of llm.v1's token throughput

@@ -90,3 +90,66 @@ def test_tls_key_without_cert_is_refused(engine_dir: Path, pki: Path) -> None:
 
     with pytest.raises(ValueError, match="go together"):
         asyncio.run(server.start())
+
+
+# ---- the Triton front door (--triton-port): the same credentials and the same bearer token ----------------------
+def _triton_ready(url: str, pki: Path | None = None, client: str | None = None, **kw) -> bool | str:
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+
+    if pki is not None:
+        kw.update(ssl=True, root_certificates=str(pki / "ca.crt"))
+        if client:
+            kw.update(private_key=str(pki / f"{client}.key"), certificate_chain=str(pki / f"{client}.crt"))
+    try:
+        c = tg.InferenceServerClient(url, **kw)
+        return c.get_model_metadata("ensemble", client_timeout=5).name == "ensemble"
+    except InferenceServerException as exc:
+        return str(exc.status())
+
+
+def test_tls_covers_the_triton_port(engine_dir: Path, pki: Path) -> None:
+    overrides = {
+        "tls_cert": str(pki / "server.crt"),
+        "tls_key": str(pki / "server.key"),
+        "tls_client_ca": str(pki / "ca.crt"),
+        "triton_port": 0,
+    }
+    with running_server(engine_dir, **overrides) as srv:
+        url = f"127.0.0.1:{srv.server.triton_port}"
+        assert _triton_ready(url, pki, client="client") is True
+        assert _triton_ready(url, pki) == "StatusCode.UNAVAILABLE"  # no client certificate
+        assert _triton_ready(url, pki, client="rogue-client") == "StatusCode.UNAVAILABLE"
+        assert _triton_ready(url) == "StatusCode.UNAVAILABLE"  # plaintext
+
+
+def test_bearer_token_covers_the_triton_port(engine_dir: Path, tmp_path: Path) -> None:
+    import numpy as np
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+
+    from tests.triton_clients import Streamer, inputs
+
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    with running_server(engine_dir, auth_token_file=str(token), triton_port=0) as srv:
+        url = f"127.0.0.1:{srv.server.triton_port}"
+        good = {"authorization": "Bearer s3cret"}
+        assert _triton_ready(url) == "StatusCode.UNAUTHENTICATED"
+        assert tg.InferenceServerClient(url).is_server_ready()  # KServe's health checks, like grpc.health
+        client = tg.InferenceServerClient(url)
+        assert client.get_model_metadata("ensemble", headers=good).name == "ensemble"
+        tensors = inputs("ensemble", text_input="Hi", max_tokens=4, stream=True)
+        denied = Streamer(url)  # refused when the stream opens, before any request is sent
+        _, error = denied.queue.get(timeout=10)
+        assert error is not None and "UNAUTHENTICATED" in str(error)
+        with pytest.raises(InferenceServerException, match="no longer in valid state"):
+            denied.send("ensemble", tensors)
+        denied.close()
+        allowed = tg.InferenceServerClient(url)
+        results = []
+        allowed.start_stream(callback=lambda result, error: results.append((result, error)), headers=good)
+        allowed.async_stream_infer("ensemble", tensors, enable_empty_final_response=True)
+        allowed.stop_stream()  # waits for the stream to end
+        assert results and all(e is None for _, e in results)
+        assert np.concatenate([r.as_numpy("text_output").reshape(-1) for r, _ in results]).size >= 1

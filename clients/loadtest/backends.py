@@ -102,10 +102,18 @@ def triton_inputs(item: WorkItem, sampling: Sampling, stream: bool = True) -> li
         tensor("text_input", item.prompt.encode(), "BYTES", np.object_),
         tensor("max_tokens", item.max_tokens, "INT32", np.int32),
         tensor("stream", stream, "BOOL", np.bool_),
-        tensor("temperature", sampling.temperature, "FP32", np.float32),
         tensor("return_perf_metrics", True, "BOOL", np.bool_),
         tensor("return_num_output_tokens", True, "BOOL", np.bool_),
     ]
+    # NOTE: TensorRT-LLM decodes greedily whenever top_k and top_p are both unset (0), whatever the
+    # temperature; so sampling sends the full nucleus (top_p=1), and greedy says so with top_k=1.
+    if sampling.temperature > 0:
+        inputs.append(tensor("temperature", sampling.temperature, "FP32", np.float32))
+        inputs.append(tensor("top_p", 1.0, "FP32", np.float32))
+    else:
+        inputs.append(tensor("top_k", 1, "INT32", np.int32))
+    if sampling.ignore_eos:
+        inputs.append(tensor("end_id", -1, "INT32", np.int32))  # TensorRT-LLM: no end id, run to max_tokens
     if sampling.seed is not None:
         inputs.append(tensor("seed", sampling.seed, "UINT64", np.uint64))
     return inputs
@@ -128,7 +136,10 @@ class TritonChunk:
 
 
 def parse_triton_response(result, tokens_so_far: int) -> TritonChunk:
-    """One InferResult of the ensemble's decoupled stream -> text delta, token count, final flag, timers."""
+    """One InferResult of the ensemble's decoupled stream -> text delta, token count, final flag, timers.
+
+    `num_output_tokens` counts the tokens of this response (TensorRT-LLM's backends report per response, not
+    a running total); without it a response carrying text counts as one token."""
     response = result.get_response()
     params = response.parameters
     final = TRITON_FINAL in params and params[TRITON_FINAL].bool_param
@@ -138,8 +149,8 @@ def parse_triton_response(result, tokens_so_far: int) -> TritonChunk:
         if raw is not None
         else ""
     )
-    total = _scalar(result, "num_output_tokens")
-    tokens = int(total) - tokens_so_far if total is not None else (1 if raw is not None and raw.size else 0)
+    count = _scalar(result, "num_output_tokens")
+    tokens = int(count) if count is not None else (1 if raw is not None and raw.size else 0)
     chunk = TritonChunk(text=text, tokens=max(tokens, 0), final=final)
     arrival, first, last = (_scalar(result, f"{k}_time_ns") for k in ("arrival", "first_token", "last_token"))
     if arrival is not None and first is not None and first > 0:
@@ -197,6 +208,11 @@ class TritonBackend:
 
 def _close_stream(client, cancel: bool) -> None:
     try:
+        # NOTE: tritonclient 2.73's stop_stream(cancel_requests=True) leaves gRPC's request-sending thread blocked
+        # on the stream's request queue (a thread leaked per cancelled stream); the end marker lets it finish
+        queue = getattr(getattr(client, "_stream", None), "_request_queue", None)
+        if queue is not None:
+            queue.put(None)
         client.stop_stream(cancel_requests=cancel)
     finally:
         client.close()

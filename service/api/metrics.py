@@ -69,7 +69,18 @@ class ServiceMetrics:
         self.generation_tokens = Counter("llm_generation_tokens", "Generated tokens.", registry=r)
         self.preemptions = Counter("llm_num_preemptions", "Requests preempted (recomputed later).", registry=r)
         self.requests = Counter(
-            "llm_requests", "Finished Generate RPCs by final gRPC status code.", ["code"], registry=r
+            "llm_requests",
+            "Finished generation requests by final gRPC status code (llm.v1 Generate RPCs and the Triton "
+            "front door's inference requests).",
+            ["code"],
+            registry=r,
+        )
+        self.triton_requests = Counter(
+            "llm_triton_requests",
+            "Finished inference requests of the Triton front door by model and final status code (also counted "
+            "in llm_requests_total).",
+            ["model", "code"],
+            registry=r,
         )
         # the process: resident memory, open fds, CPU (process_*), and threads and event-loop tasks, which a
         # leak would grow (the soak test reads these)
@@ -134,6 +145,10 @@ class ServiceMetrics:
 
     def rpc_finished(self, code: str) -> None:
         self.requests.labels(code).inc()
+
+    def triton_request_finished(self, model: str, code: str) -> None:
+        self.requests.labels(code).inc()
+        self.triton_requests.labels(model, code).inc()
 
 
 def _num_threads() -> int:

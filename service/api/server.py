@@ -1,4 +1,6 @@
-"""The gRPC server: LLMService, grpc.health.v1, reflection, Prometheus, auth, TLS, graceful drain.
+"""The gRPC server: LLMService, grpc.health.v1, reflection, Prometheus, auth, TLS, graceful drain; with
+`--triton-port`, a second grpc.aio server on that port for the Triton (KServe v2) front door, over the same
+backend, with the same interceptors, credentials, RPC limit and drain (service/api/triton/).
 
 Lifecycle: bind and serve health (NOT_SERVING) at once; load the backend in a worker thread; run one warm-up
 generation; then SERVING. On drain: NOT_SERVING, stop accepting, let streams in flight finish within the drain
@@ -52,8 +54,11 @@ class LLMServer:
         self.health = DrainingHealthServicer()
         self.servicer = LLMServicer(lambda: self.backend, self.metrics, cfg.max_concurrent_rpcs, cfg.log_prompts)
         self._server: grpc.aio.Server | None = None
+        self._triton_server: grpc.aio.Server | None = None
+        self.triton_servicer = None  # the Triton front door's servicer, with --triton-port
         self._metrics_http = None
         self.port = 0
+        self.triton_port: int | None = None
         self.metrics_port: int | None = None
         self._draining = False
         self._force = False  # a second signal: stop waiting for streams
@@ -67,8 +72,43 @@ class LLMServer:
         """Bind and start serving (health NOT_SERVING), then load and warm up the engine; returns when ready."""
         cfg = self.cfg
         credentials = _credentials(cfg)
+        server = self._new_server()
+        self._add_services(server)
+        triton = None
+        if cfg.triton_port is not None:  # the Triton front door: its own server, the same backend and edge
+            triton = self._new_server()
+            triton.add_generic_rpc_handlers((self._triton_servicer().generic_handler(),))
+        # NOTE: the aio HealthServicer answers SERVING by default; say NOT_SERVING before anyone can ask.
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.metrics.watch_event_loop(asyncio.get_running_loop())
+        self._start_metrics()  # every port is bound before anything says "listening"
+        self.port = self._bind(server, credentials, cfg.port, "gRPC")
+        if triton is not None:
+            self.triton_port = self._bind(triton, credentials, cfg.triton_port, "Triton gRPC")
+            await triton.start()
+            self._triton_server = triton
+        await server.start()
+        self._server = server
+        logger.info(
+            "listening on %s:%d (%s); loading the engine", cfg.host, self.port, "TLS" if credentials else "plaintext"
+        )
+        if self.triton_port is not None:
+            logger.info("Triton (KServe v2) front door on %s:%d", cfg.host, self.triton_port)
+        if self.metrics_port is not None:
+            logger.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
+        backend = await asyncio.get_running_loop().run_in_executor(None, self._load_backend)
+        backend.start(self._on_health_change, self._on_fatal)
+        await self._warm_up(backend)
+        backend.observe(self.metrics)  # from here on: the warm-up is not counted
+        self.backend = backend
+        await self._set_serving(backend.is_healthy)
+        logger.info("ready: %s (%s backend, model %s)", SERVICE_NAME, backend.info.backend, backend.info.model_name)
+
+    def _new_server(self) -> grpc.aio.Server:
+        cfg = self.cfg
         interceptors = [AuthInterceptor(read_token(cfg.auth_token_file))] if cfg.auth_token_file else []
-        server = grpc.aio.server(
+        return grpc.aio.server(
             interceptors=interceptors,
             options=[
                 ("grpc.so_reuseport", 0),  # gRPC's default would let a second server share the port
@@ -81,27 +121,12 @@ class LLMServer:
                 ("grpc.max_concurrent_streams", 1000),
             ],
         )
-        self._add_services(server)
-        # NOTE: the aio HealthServicer answers SERVING by default; say NOT_SERVING before anyone can ask.
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.metrics.watch_event_loop(asyncio.get_running_loop())
-        self._start_metrics()  # both ports are bound before anything says "listening"
-        self.port = self._bind(server, credentials)
-        await server.start()
-        self._server = server
-        logger.info(
-            "listening on %s:%d (%s); loading the engine", cfg.host, self.port, "TLS" if credentials else "plaintext"
-        )
-        if self.metrics_port is not None:
-            logger.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
-        backend = await asyncio.get_running_loop().run_in_executor(None, self._load_backend)
-        backend.start(self._on_health_change, self._on_fatal)
-        await self._warm_up(backend)
-        backend.observe(self.metrics)  # from here on: the warm-up is not counted
-        self.backend = backend
-        await self._set_serving(backend.is_healthy)
-        logger.info("ready: %s (%s backend, model %s)", SERVICE_NAME, backend.info.backend, backend.info.model_name)
+
+    def _triton_servicer(self):
+        from service.api.triton.servicer import TritonServicer  # tritonclient: only with --triton-port
+
+        self.triton_servicer = TritonServicer(self.servicer)
+        return self.triton_servicer
 
     def _start_metrics(self) -> None:
         cfg = self.cfg
@@ -113,12 +138,12 @@ class LLMServer:
             raise OSError(f"metrics port {cfg.metrics_port} on {cfg.host} cannot be bound: {exc.strerror}") from None
         self.metrics_port = self._metrics_http.server_port
 
-    def _bind(self, server: grpc.aio.Server, credentials: grpc.ServerCredentials | None) -> int:
-        address = f"{self.cfg.host}:{self.cfg.port}"
+    def _bind(self, server: grpc.aio.Server, credentials: grpc.ServerCredentials | None, port: int, what: str) -> int:
+        address = f"{self.cfg.host}:{port}"
         try:
             return server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
         except RuntimeError:  # grpc says only "Failed to bind"; with SO_REUSEPORT off, a busy port is the usual cause
-            raise OSError(f"gRPC port {self.cfg.port} on {self.cfg.host} cannot be bound (in use?)") from None
+            raise OSError(f"{what} port {port} on {self.cfg.host} cannot be bound (in use?)") from None
 
     def _add_services(self, server: grpc.aio.Server) -> None:
         s = self.servicer
@@ -196,11 +221,16 @@ class LLMServer:
             self.backend.stop_accepting()
         self.servicer.draining = True  # an RPC still arriving on an old connection gets UNAVAILABLE
         loop = asyncio.get_running_loop()
-        stopping = None
+        stopping = []
+        if self.triton_servicer is not None:
+            self.triton_servicer.begin_drain()  # idle Triton streams end; those with requests end after them
         if self._server is not None:
             await self.health.end_watches()  # else the grace below would wait for them: they never end
-            # one stop() call for the whole drain (concurrent calls crash grpc); it returns once every RPC is done
-            stopping = asyncio.ensure_future(self._server.stop(timeout + CUT_GRACE_S + 1))
+        for server in (self._server, self._triton_server):
+            if server is not None:
+                # one stop() call per server for the whole drain (concurrent calls on one server crash grpc);
+                # it returns once every RPC is done
+                stopping.append(asyncio.ensure_future(server.stop(timeout + CUT_GRACE_S + 1)))
         deadline = loop.time() + timeout
         while self.servicer.num_active and loop.time() < deadline and not self._force:
             await asyncio.sleep(0.02)
@@ -212,8 +242,8 @@ class LLMServer:
             cut_deadline = loop.time() + CUT_GRACE_S
             while self.servicer.num_active and loop.time() < cut_deadline:
                 await asyncio.sleep(0.01)
-        if stopping is not None:
-            await stopping
+        for stop in stopping:
+            await stop
         if self.backend is not None:  # a dead engine's thread may be stuck in a stalled step: do not wait long
             await self.backend.shutdown(timeout=0.5 if self.fatal else 5.0)
         if self._metrics_http is not None:

@@ -32,6 +32,7 @@ TOKENIZER_THREADS = 2
 DEADLINE_SLACK_S = 0.01  # a cancellation this close to the client's deadline is the deadline
 
 FINISH_REASONS = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_LENGTH}
+TIMING_SOURCES = {"engine": llm_pb2.TIMING_SOURCE_ENGINE, "edge": llm_pb2.TIMING_SOURCE_EDGE}
 
 
 def _chunk(out: RequestOutput) -> llm_pb2.GenerateResponse:
@@ -46,6 +47,8 @@ def _chunk(out: RequestOutput) -> llm_pb2.GenerateResponse:
 
 def _complete(request_id: str, out: RequestOutput, completion_tokens: int) -> llm_pb2.GenerateResponse:
     t = out.timing
+    # a backend that streams text without token ids (Triton's ensemble) reports the count instead
+    completion_tokens = completion_tokens or out.num_output_tokens
     complete = llm_pb2.Complete(
         request_id=request_id,
         finish_reason=FINISH_REASONS.get(out.finish_reason or "", llm_pb2.FINISH_REASON_UNSPECIFIED),
@@ -61,6 +64,7 @@ def _complete(request_id: str, out: RequestOutput, completion_tokens: int) -> ll
             decode_ms=t.decode_ms,
             tpot_ms=t.tpot_ms,
             e2e_ms=t.e2e_ms,
+            source=TIMING_SOURCES.get(t.source, llm_pb2.TIMING_SOURCE_UNSPECIFIED),
         ),
     )
     if isinstance(out.stop_reason, str):
@@ -92,7 +96,8 @@ class LLMServicer:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     @contextlib.contextmanager
-    def _slot(self) -> Iterator[None]:
+    def slot(self) -> Iterator[None]:
+        """One LLM RPC in flight (the Triton front door takes one per inference request)."""
         # NOTE: gRPC core's maximum_concurrent_rpcs would also refuse health checks, so the limit lives here.
         if self.num_active >= self.max_active_rpcs:
             raise Overloaded(f"too many RPCs in flight (limit {self.max_active_rpcs}); retry later")
@@ -102,7 +107,8 @@ class LLMServicer:
         finally:
             self.num_active -= 1
 
-    def _ready(self) -> Backend:
+    def ready(self) -> Backend:
+        """The backend, or EngineUnavailable while loading or draining."""
         if self.draining:
             raise EngineUnavailable("the server is shutting down")
         backend = self._backend()
@@ -110,14 +116,15 @@ class LLMServicer:
             raise EngineUnavailable("the engine is still loading")
         return backend
 
-    async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
+    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        """Run tokenization-sized work in the servicer's small pool, never on the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _to_domain(self, req: llm_pb2.GenerateRequest, backend: Backend) -> GenerateRequest:
         request_id, sampling = check_fields(req)  # cheap checks first
         backend.check_capacity()  # do not tokenize what the queue would refuse anyway
         limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
-        ids = await self._off_loop(prompt_ids, req, backend.tokenizer, limits)
+        ids = await self.off_loop(prompt_ids, req, backend.tokenizer, limits)
         return GenerateRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling, priority=req.priority)
 
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateResponse]:
@@ -127,8 +134,8 @@ class LLMServicer:
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            with self._slot():
-                backend = self._ready()
+            with self.slot():
+                backend = self.ready()
                 gen = await self._to_domain(parse(llm_pb2.GenerateRequest, raw), backend)
                 request_id = gen.request_id
                 if deadline is not None and time.monotonic() >= deadline:
@@ -156,16 +163,16 @@ class LLMServicer:
 
     @unary_errors
     async def Tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.TokenizeResponse:
-        with self._slot():
-            backend = self._ready()
+        with self.slot():
+            backend = self.ready()
             req = parse(llm_pb2.TokenizeRequest, raw)
             limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
-            return await self._off_loop(tokenize, req, backend.tokenizer, limits)
+            return await self.off_loop(tokenize, req, backend.tokenizer, limits)
 
     @unary_errors
     async def GetModelInfo(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.ModelInfo:
-        with self._slot():
-            backend = self._ready()
+        with self.slot():
+            backend = self.ready()
             parse(llm_pb2.GetModelInfoRequest, raw)
             return model_info(backend, self.max_active_rpcs)
 
@@ -224,4 +231,5 @@ def model_info(backend: Backend, max_concurrent_rpcs: int) -> llm_pb2.ModelInfo:
         engine_format_version=i.engine_format_version,
         max_text_bytes=TextLimits.for_model(backend.tokenizer, i.max_seq_len).max_text_bytes,
         max_concurrent_rpcs=max_concurrent_rpcs,
+        not_reported=list(i.not_reported),
     )

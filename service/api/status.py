@@ -14,8 +14,10 @@ from service.errors import (
     EngineError,
     EngineUnavailable,
     InvalidRequest,
+    NotFound,
     Overloaded,
     ServerShutdown,
+    Unsupported,
 )
 
 logger = logging.getLogger(__name__)
@@ -26,6 +28,8 @@ _CODES = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    Unsupported: grpc.StatusCode.UNIMPLEMENTED,
 }
 
 

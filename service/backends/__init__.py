@@ -25,6 +25,8 @@ def preflight(cfg: BackendConfig) -> None:
     elif name == "triton":
         from service.errors import BackendLoadError
 
+        if not cfg.triton.url:
+            raise BackendLoadError("the triton backend needs --triton-url HOST:PORT (a Triton server's gRPC endpoint)")
         try:
             import tritonclient.grpc  # noqa: F401
         except ImportError as exc:

@@ -43,6 +43,7 @@ class BackendInfo:
     num_attention_heads: int
     num_key_value_heads: int
     engine_format_version: int
+    not_reported: tuple[str, ...] = ()  # what this backend cannot report (GetModelInfo says so)
 
     @property
     def limits(self) -> RequestLimits:

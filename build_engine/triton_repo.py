@@ -1,0 +1,230 @@
+"""A Triton model repository for a TensorRT-LLM engine built by `python -m build_engine --backend trtllm`.
+
+    python -m build_engine.triton_repo --engine engines/smollm2-trtllm --output triton_repo [--engine-path PATH]
+
+Writes TensorRT-LLM's inflight_batcher_llm layout (1.2 era) for Triton's `*-trtllm-python-py3` container:
+
+    ensemble/        config.pbtxt (platform "ensemble": preprocessing -> tensorrt_llm -> postprocessing), 1/
+    preprocessing/   config.pbtxt, 1/model.py (ours: build_engine/triton_models/preprocessing.py)
+    tensorrt_llm/    config.pbtxt (backend "tensorrtllm", decoupled, inflight_fused_batching), 1/
+    postprocessing/  config.pbtxt, 1/model.py (ours: build_engine/triton_models/postprocessing.py)
+
+Every config.pbtxt is a ModelConfig message (tritonclient's model_config_pb2) written with protobuf's text format,
+from the same tensor tables the service's own Triton front door serves (service/api/triton/models.py), so it
+parses by construction; the values the TensorRT-LLM backend's docs call mandatory are all set (backend, max
+batch size, decoupled mode, queue delay and size, engine path, batching strategy, the logits data type), with
+the paged KV cache fraction, block reuse, chunked context and scheduler policy of the service's trtllm backend
+(service/config.py TrtllmConfig). The Python steps are our own model.py files, not copies of the container's:
+they tokenize with the engine's tokenizer exactly as the service does.
+
+Paths inside the container: the engine directory is named by --engine-path (default: --engine as an absolute
+path, i.e. mount it at the same place), and the tokenizer is read from there too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from build_engine import spec
+from build_engine.source import BuildError
+from build_engine.spec import EngineConfig, EngineFormatError, engine_backend
+from service.config import TrtllmConfig
+
+# The Triton container that serves engines of TensorRT-LLM 1.2.1. NOTE: not verified here (no NGC access): the
+# tensorrtllm_backend moved to 1.2.1 on 2026-04-16 (its PR #853), so 26.05 is the first monthly release that can
+# carry it. Check before relying on it (docs/triton.md, "Which container").
+TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"
+STEPS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing")
+EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
+
+
+def _engine(engine_dir: Path) -> tuple[EngineConfig, dict]:
+    try:
+        backend = engine_backend(engine_dir)
+    except EngineFormatError as exc:
+        raise BuildError(str(exc)) from None
+    if backend != "trtllm":
+        raise BuildError(
+            f"{engine_dir} is a {backend} engine; Triton's TensorRT-LLM backend serves engines built with "
+            f"python -m build_engine --backend trtllm"
+        )
+    manifest = json.loads((engine_dir / spec.MANIFEST_FILE).read_text())
+    try:
+        config = EngineConfig.from_json(json.dumps(manifest["engine"]))
+    except (KeyError, EngineFormatError) as exc:
+        raise BuildError(f"{engine_dir}/{spec.MANIFEST_FILE} has no usable engine config ({exc})") from None
+    for name in (spec.TOKENIZER_FILE, spec.TOKENIZER_CONFIG_FILE):
+        if not (engine_dir / name).is_file():
+            raise BuildError(f"{engine_dir / name} is missing: the Python steps tokenize with it")
+    return config, manifest.get("settings", {})
+
+
+def configs(
+    engine_path: str,
+    config: EngineConfig,
+    trtllm: TrtllmConfig,
+    prefix_caching: bool = True,
+    max_batch_size: int | None = None,
+    python_instances: int = 1,
+    max_queue_size: int = 0,
+) -> dict:
+    """The four ModelConfig messages, by model name."""
+    from service.api.triton.configs import model_config  # tritonclient's model_config_pb2
+    from service.api.triton.models import MODELS
+
+    batch = max_batch_size or config.limits.max_batch_size
+    llm_params = {
+        "gpt_model_type": "inflight_fused_batching",  # batching_strategy
+        "gpt_model_path": engine_path,  # engine_dir
+        "max_beam_width": "1",
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+        "batch_scheduler_policy": trtllm.scheduler_policy,
+        "kv_cache_free_gpu_mem_fraction": str(trtllm.kv_cache_free_gpu_memory_fraction),
+        "enable_kv_cache_reuse": str(prefix_caching).lower(),
+        "enable_chunked_context": str(trtllm.enable_chunked_context).lower(),
+        "exclude_input_in_output": "false",  # Triton's default; clients send exclude_input_in_output per request
+        "cancellation_check_period_ms": "100",
+        "stats_check_period_ms": "100",
+        "normalize_log_probs": "true",
+        "decoding_mode": "top_k_top_p",
+        "executor_worker_path": EXECUTOR_WORKER,
+    }
+    out = {
+        "ensemble": model_config(MODELS["ensemble"], batch, ensemble_policy=False),
+        "preprocessing": model_config(
+            MODELS["preprocessing"], batch, {"tokenizer_dir": engine_path, "add_special_tokens": "true"},
+            instance_count=python_instances,
+        ),
+        "tensorrt_llm": model_config(MODELS["tensorrt_llm"], batch, llm_params, served_only=False),
+        "postprocessing": model_config(
+            MODELS["postprocessing"], batch, {"tokenizer_dir": engine_path, "skip_special_tokens": "true"},
+            instance_count=python_instances,
+        ),
+    }  # fmt: skip
+    out["tensorrt_llm"].dynamic_batching.default_queue_policy.max_queue_size = max_queue_size
+    return out
+
+
+def write_repository(
+    engine_dir: str | Path,
+    output: str | Path,
+    engine_path: str | None = None,
+    force: bool = False,
+    trtllm: TrtllmConfig | None = None,
+    prefix_caching: bool = True,
+    max_batch_size: int | None = None,
+    python_instances: int = 1,
+    max_queue_size: int = 0,
+) -> Path:
+    """Write the repository (atomically: a temporary directory renamed into place). Returns its path."""
+    from google.protobuf import text_format
+
+    engine_dir, output = Path(engine_dir), Path(output)
+    config, _ = _engine(engine_dir)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
+        raise BuildError(f"{output} exists and is not empty (--force replaces it)")
+    path = engine_path or str(engine_dir.resolve())
+    messages = configs(
+        path, config, trtllm or TrtllmConfig(), prefix_caching, max_batch_size, python_instances, max_queue_size
+    )
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        for name in STEPS:
+            (tmp / name / "1").mkdir(parents=True)
+            header = (
+                f"# Written by python -m build_engine.triton_repo for {config.model_name} "
+                f"(engine: {path}); TensorRT-LLM's inflight_batcher_llm layout.\n"
+            )
+            (tmp / name / "config.pbtxt").write_text(header + text_format.MessageToString(messages[name]))
+        models = resources.files("build_engine.triton_models")
+        for name in ("preprocessing", "postprocessing"):
+            (tmp / name / "1" / "model.py").write_text(models.joinpath(f"{name}.py").read_text())
+        if output.exists():
+            shutil.rmtree(output)
+        tmp.rename(output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def run_command(output: Path, engine_dir: Path, engine_path: str, world_size: int = 1) -> str:
+    serve = (
+        f"python3 /app/scripts/launch_triton_server.py --world_size {world_size} --model_repo /triton/repo"
+        if world_size > 1
+        else "tritonserver --model-repository=/triton/repo"
+    )
+    return (
+        f"docker run --rm --gpus all --shm-size=2g -p 8001:8001 -v {output.resolve()}:/triton/repo:ro "
+        f"-v {engine_dir.resolve()}:{engine_path}:ro {TRITON_IMAGE} {serve}"
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = TrtllmConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m build_engine.triton_repo",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Write a Triton model repository (ensemble, preprocessing, tensorrt_llm, postprocessing) for a "
+        "TensorRT-LLM engine built by python -m build_engine --backend trtllm.",
+    )
+    p.add_argument("--engine", required=True, help="the TensorRT-LLM engine directory")
+    p.add_argument("--output", required=True, help="the repository directory to write")
+    p.add_argument(
+        "--engine-path",
+        help="where the engine directory is inside the Triton container (default: --engine's absolute path)",
+    )
+    p.add_argument("--max-batch-size", type=int, help="Triton's max_batch_size (default: the engine's)")
+    p.add_argument(
+        "--kv-cache-free-gpu-memory-fraction",
+        type=float,
+        default=defaults.kv_cache_free_gpu_memory_fraction,
+        help="share of the GPU memory left after the weights that the paged KV cache takes",
+    )
+    p.add_argument(
+        "--scheduler-policy",
+        default=defaults.scheduler_policy,
+        choices=("guaranteed_no_evict", "max_utilization"),
+        help="TensorRT-LLM's batch scheduler policy",
+    )
+    p.add_argument("--no-block-reuse", action="store_true", help="turn KV block reuse (prefix caching) off")
+    p.add_argument("--no-chunked-context", action="store_true", help="prefill long prompts in one piece")
+    p.add_argument("--max-queue-size", type=int, default=0, help="Triton's queue bound for tensorrt_llm (0: none)")
+    p.add_argument("--python-instances", type=int, default=1, help="instances of each Python step")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --output")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    trtllm = TrtllmConfig(
+        kv_cache_free_gpu_memory_fraction=args.kv_cache_free_gpu_memory_fraction,
+        scheduler_policy=args.scheduler_policy,
+        enable_chunked_context=not args.no_chunked_context,
+    )
+    engine_dir = Path(args.engine)
+    try:
+        out = write_repository(
+            engine_dir, args.output, args.engine_path, args.force, trtllm, not args.no_block_reuse,
+            args.max_batch_size, args.python_instances, args.max_queue_size,
+        )  # fmt: skip
+        _, settings = _engine(engine_dir)
+    except (BuildError, OSError, ValueError) as exc:
+        print(f"triton_repo: error: {exc}", file=sys.stderr)
+        return 2
+    world = int(settings.get("tp_size", 1)) * int(settings.get("pp_size", 1))
+    path = args.engine_path or str(engine_dir.resolve())
+    print(f"wrote {', '.join(STEPS)} into {out}")
+    print(f"serve it with Triton's TensorRT-LLM container:\n  {run_command(out, engine_dir, path, world)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,567 @@
+"""The triton backend: our llm.v1 service in front of a Triton Inference Server running TensorRT-LLM's models
+(or our own front door, `--triton-port`), through tritonclient's gRPC streaming client.
+
+- One client stream per request in flight: tritonclient's sync client (its aio client cannot ask for empty final
+  responses), its callback thread handing outputs to the event loop through BackendRuntime; closing a stream
+  with `stop_stream(cancel_requests=True)` cancels the request on the server (Triton checks for cancelled
+  requests and the TensorRT-LLM backend cancels them in the executor). Clients are pooled; each holds a channel.
+- `--triton-model tensorrt_llm` (default): token ids in, `output_ids` out, so our tokenizer, chat template and
+  detokenizer (service/textstream.py) make the text, stop strings and stop token ids are ours, usage is exact:
+  the same tokens give the same chunks as the native backend.
+- `--triton-model ensemble`: the prompt's ids are decoded to `text_input` (refused unless they survive
+  re-encoding, as the ensemble's preprocessing tokenizes the text again), chunks carry text and the token counts
+  (`num_output_tokens`), stop strings are matched here on that text; token ids, logprobs, cached tokens and stop
+  token ids cannot be reported (ModelInfo.not_reported).
+- Sampling as TensorRT-LLM needs it: it decodes greedily unless top_k > 1 or top_p > 0, so temperature 0 sends
+  top_k = 1 and sampling without top_k sends top_p; ignore_eos sends end_id = -1; without a seed each request
+  draws one (TensorRT-LLM's runtime default is 0 for every request).
+- Timing from the `*_time_ns` outputs (return_perf_metrics) when the server returns them, on its steady clock
+  (differences only); else measured here (Timing.source = edge).
+- Health: ServerReady and ModelReady, polled; a server that does not answer turns the service NOT_SERVING and
+  new requests UNAVAILABLE (naming the URL), and SERVING again when it answers. A Triton outage is not a failure
+  of this process: no exit code 3, whatever --on-engine-error says.
+tritonclient is imported only in this module (and the front door), lazily from load_backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import InferenceServerClient, InferInput
+from tritonclient.utils import InferenceServerException
+
+from build_engine import spec
+from build_engine.spec import EngineConfig, EngineFormatError, engine_backend, load_engine_config
+from service.backends.base import BackendInfo
+from service.config import BackendConfig, TritonConfig
+from service.errors import BackendLoadError, EngineUnavailable, InvalidRequest
+from service.limits import check_request
+from service.request import GenerateRequest, RequestOutput, RequestTiming, SamplingParams
+from service.runtime import BackendRuntime
+from service.telemetry import BackendStats, Observer
+from service.textstream import RequestText
+from service.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+FINAL = "triton_final_response"
+PERF = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+MAX_IDLE_CLIENTS = 64  # pooled clients kept between requests (each holds a channel)
+NEEDS = {  # inputs the remote model must have for us to drive it
+    "tensorrt_llm": ("input_ids", "input_lengths", "request_output_len", "streaming", "end_id"),
+    "ensemble": ("text_input", "max_tokens", "stream"),
+}
+NOT_REPORTED = {
+    "tensorrt_llm": ("logprobs", "cached_prompt_tokens"),
+    "ensemble": ("chunk.token_ids", "logprobs", "cached_prompt_tokens", "stop_token_id"),
+}
+
+
+def channel_args(cfg: TritonConfig) -> list[tuple[str, int]]:
+    """tritonclient's defaults (unbounded message sizes) plus keepalive, and a short reconnect backoff so a
+    Triton server that comes back is seen again within seconds."""
+    return [
+        ("grpc.max_send_message_length", 2**31 - 1),
+        ("grpc.max_receive_message_length", 2**31 - 1),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.min_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", int(max(1.0, cfg.health_period_s) * 1000)),
+    ]
+
+
+def end_requests(client: InferenceServerClient) -> None:
+    """End the request side of the client's stream (what stop_stream(cancel_requests=False) does first).
+
+    NOTE: tritonclient 2.73's stop_stream(cancel_requests=True) cancels the call but leaves gRPC's thread that
+    sends the requests blocked on the stream's request queue for ever: one leaked thread per stream. Putting the
+    end marker in first lets that thread finish; the cancel then ends the call at once."""
+    stream = getattr(client, "_stream", None)
+    queue = getattr(stream, "_request_queue", None)
+    if queue is not None:
+        queue.put(None)
+
+
+def _engine_config(engine_dir: Path) -> EngineConfig:
+    """Our engine config: config.json of a native engine, the manifest's copy for a TensorRT-LLM engine."""
+    if engine_backend(engine_dir) == "native":
+        return load_engine_config(engine_dir)
+    manifest = json.loads((engine_dir / spec.MANIFEST_FILE).read_text())
+    if "engine" not in manifest:
+        raise EngineFormatError(f"{engine_dir} has no engine config in its {spec.MANIFEST_FILE}")
+    return EngineConfig.from_json(json.dumps(manifest["engine"]))
+
+
+def _tensor(name: str, value: Any, datatype: str, dtype: Any) -> InferInput:
+    arr = np.asarray(value, dtype=dtype)
+    arr = arr.reshape(1, *arr.shape) if arr.ndim else arr.reshape(1, 1)
+    t = InferInput(name, list(arr.shape), datatype)
+    t.set_data_from_numpy(arr)
+    return t
+
+
+def sampling_tensors(p: SamplingParams, model: str) -> list[InferInput]:
+    """Sampling and stopping as TensorRT-LLM reads them (tensor names of the given model)."""
+    k_name, p_name = ("runtime_top_k", "runtime_top_p") if model == "tensorrt_llm" else ("top_k", "top_p")
+    out = [_tensor("seed", p.seed if p.seed is not None else secrets.randbits(63), "UINT64", np.uint64)]
+    if p.greedy:
+        out.append(_tensor(k_name, 1, "INT32", np.int32))
+    else:
+        out.append(_tensor("temperature", p.temperature, "FP32", np.float32))
+        if p.top_k:
+            out.append(_tensor(k_name, p.top_k, "INT32", np.int32))
+        if p.top_p < 1.0 or not p.top_k:
+            out.append(_tensor(p_name, p.top_p, "FP32", np.float32))
+    if p.min_tokens:
+        out.append(_tensor("min_tokens", p.min_tokens, "INT32", np.int32))
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = getattr(p, name)
+        if value != (1.0 if name == "repetition_penalty" else 0.0):
+            out.append(_tensor(name, value, "FP32", np.float32))
+    return out
+
+
+@dataclass
+class _Live:
+    """One request on its own Triton stream (touched by its stream's callback thread, and once by abort)."""
+
+    req_id: str
+    gen: GenerateRequest
+    text: RequestText
+    arrival: float  # time.monotonic() when sent
+    client: InferenceServerClient | None = None
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    num_tokens: int = 0  # ensemble: counted from num_output_tokens
+    done: bool = False  # the final output went out (or the request was aborted): ignore anything later
+
+
+class TritonBackend(BackendRuntime):
+    def __init__(self, cfg: BackendConfig) -> None:
+        super().__init__(cfg.admission)
+        t = self.triton = cfg.triton
+        if not t.url:
+            raise BackendLoadError("the triton backend needs --triton-url HOST:PORT (a Triton server's gRPC endpoint)")
+        self.url, self.model = t.url, t.model
+        engine_dir = Path(cfg.engine_dir)
+        self.config = _engine_config(engine_dir)
+        self.tokenizer = Tokenizer.from_engine_dir(engine_dir)
+        ids = self.config.tokenizer
+        self.end_id = ids.eos_token_ids[0]
+        self.pad_id = ids.pad_token_id if ids.pad_token_id is not None else self.end_id
+        self.extra_eos = tuple(ids.eos_token_ids[1:])
+        self._health_client = InferenceServerClient(self.url, channel_args=channel_args(t))
+        remote = self._wait_ready(t.ready_timeout_s)
+        self.info = self._info(remote)
+        self._remote_ready, self._remote_problem = True, ""
+        self._lock = threading.Lock()
+        self._live: dict[str, _Live] = {}
+        self._idle: list[InferenceServerClient] = []
+        self._ids = itertools.count()
+        self._closer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="triton-close")
+        self._observer: Observer | None = None
+        self._health_thread: threading.Thread | None = None
+        self._prompt_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="triton-prompt")
+
+    # ---- loading -----------------------------------------------------------------------------------------------
+    def _wait_ready(self, timeout: float) -> Any:
+        """Wait for the server and the model, then check the model is one we can drive; its ModelConfig."""
+        deadline, problem, logged = time.monotonic() + timeout, "", 0.0
+        while True:
+            ready, problem = self._probe()
+            if ready:
+                break
+            if time.monotonic() >= deadline:
+                raise BackendLoadError(
+                    f"the Triton server at {self.url} is not ready with model '{self.model}' after "
+                    f"{timeout:g} s (--triton-ready-timeout): {problem}"
+                )
+            if time.monotonic() - logged > 10:
+                logger.info("waiting for the Triton server at %s (%s)", self.url, problem)
+                logged = time.monotonic()
+            time.sleep(min(self.triton.health_period_s, 1.0))
+        c = self._health_client
+        rpc = self.triton.rpc_timeout_s
+        config = c.get_model_config(self.model, client_timeout=rpc).config
+        names = {i.name for i in config.input}
+        missing = [n for n in NEEDS[self.model] if n not in names]
+        if missing:
+            raise BackendLoadError(
+                f"model '{self.model}' on {self.url} has no input {', '.join(missing)}: is it TensorRT-LLM's "
+                f"{self.model} model?"
+            )
+        decoupled = config.model_transaction_policy.decoupled or any(
+            c.get_model_config(s.model_name, client_timeout=rpc).config.model_transaction_policy.decoupled
+            for s in config.ensemble_scheduling.step
+        )
+        if not decoupled:
+            raise BackendLoadError(
+                f"model '{self.model}' on {self.url} is not decoupled: streaming needs decoupled_mode:true "
+                f"(python -m build_engine.triton_repo writes it)"
+            )
+        meta = c.get_server_metadata(client_timeout=rpc)
+        logger.info("Triton server at %s: %s %s, model %s", self.url, meta.name, meta.version, self.model)
+        return config
+
+    def _probe(self) -> tuple[bool, str]:
+        rpc = self.triton.rpc_timeout_s
+        try:
+            if not self._health_client.is_server_ready(client_timeout=rpc):
+                return False, "server not ready"
+            if not self._health_client.is_model_ready(self.model, client_timeout=rpc):
+                return False, f"model '{self.model}' not ready"
+            return True, ""
+        except InferenceServerException as exc:
+            return False, str(exc.message() or exc)
+
+    def _info(self, remote: Any) -> BackendInfo:
+        c, a = self.config, self.config.arch
+        return BackendInfo(
+            backend="triton",
+            model_name=c.model_name,
+            architecture=a.architecture,
+            vocab_size=a.vocab_size,
+            max_seq_len=c.limits.max_seq_len,
+            max_batch_size=remote.max_batch_size or c.limits.max_batch_size,
+            max_num_tokens=c.limits.max_num_tokens,
+            kv_block_size=c.limits.kv_block_size,
+            num_kv_blocks=0,  # the Triton server's own: not visible over KServe v2
+            dtype=c.limits.dtype,
+            weight_format=c.limits.dtype,
+            prefix_caching=remote.parameters["enable_kv_cache_reuse"].string_value.lower() == "true"
+            if "enable_kv_cache_reuse" in remote.parameters
+            else False,
+            eos_token_ids=tuple(c.tokenizer.eos_token_ids),
+            max_queue=self.admission.max_queue,
+            num_layers=a.num_hidden_layers,
+            hidden_size=a.hidden_size,
+            num_attention_heads=a.num_attention_heads,
+            num_key_value_heads=a.num_key_value_heads,
+            engine_format_version=spec.FORMAT_VERSION,
+            not_reported=NOT_REPORTED[self.model],
+        )
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
+    def start(self, on_health_change: Callable[[bool], None], on_fatal: Callable[[str], None]) -> None:
+        self.bind(on_health_change, on_fatal)
+        self._health_thread = threading.Thread(target=self._watch_remote, name="triton-health", daemon=True)
+        self._health_thread.start()
+        self.start_runtime()
+
+    def worker_alive(self) -> bool:
+        return self._health_thread is not None and self._health_thread.is_alive()
+
+    @property
+    def is_healthy(self) -> bool:
+        return super().is_healthy and self._remote_ready
+
+    def check_alive(self) -> None:
+        super().check_alive()
+        if not self._remote_ready:
+            raise EngineUnavailable(f"the Triton server at {self.url} is not ready: {self._remote_problem}")
+
+    def observe(self, observer: Observer | None) -> None:
+        self._observer = observer
+
+    def stats(self) -> BackendStats:
+        queued = self.num_queued
+        return BackendStats(self.num_in_flight - queued, queued, 0, 0)
+
+    async def shutdown(self, timeout: float) -> None:
+        self._accepting = False
+        self.abort_all()
+        self._stopping = True
+        if self._health_thread is not None:
+            await self._loop.run_in_executor(None, self._health_thread.join, timeout)
+        self._closer.shutdown(wait=True)
+        self._prompt_pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for client in [*idle, self._health_client]:
+            client.close()
+
+    def _watch_remote(self) -> None:
+        while not self._stopping:
+            ready, problem = self._probe()
+            if ready != self._remote_ready:
+                self._remote_ready, self._remote_problem = ready, problem
+                if ready:
+                    logger.warning("the Triton server at %s is ready again", self.url)
+                else:
+                    logger.error("the Triton server at %s is not ready: %s", self.url, problem)
+                self.notify_health()
+            time.sleep(self.triton.health_period_s)
+
+    # ---- requests ------------------------------------------------------------------------------------------------
+    def generate(self, gen: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        # NOTE: no await between these checks and the reservation (atomic admission, as the native backend).
+        self.check_alive()
+        check_request(gen.prompt_token_ids, gen.sampling, self.info.limits)
+        self._check_supported(gen)
+        self.check_queue()
+        req_id = f"t{next(self._ids)}"
+        live = _Live(req_id, gen, RequestText(self.tokenizer, gen.prompt_token_ids, gen.sampling), time.monotonic())
+        with self._lock:
+            self._live[req_id] = live
+        collector = self.streams.open(req_id)
+        return self._stream(live, collector)
+
+    def _check_supported(self, gen: GenerateRequest) -> None:
+        p = gen.sampling
+        if p.logprobs is not None:
+            raise InvalidRequest("output.logprobs: the triton backend does not return log-probabilities")
+        if p.min_p:
+            raise InvalidRequest("sampling.min_p: TensorRT-LLM's Triton models have no min_p input")
+        if gen.priority:
+            raise InvalidRequest("priority: the triton backend sends every request at priority 0")
+        if self.model == "ensemble":
+            if p.stop_token_ids:
+                raise InvalidRequest(
+                    "stopping.stop_token_ids: the ensemble model returns text only; use --triton-model tensorrt_llm"
+                )
+            if not p.skip_special_tokens:
+                raise InvalidRequest(
+                    "output.include_special_tokens: the ensemble's postprocessing decides; use --triton-model "
+                    "tensorrt_llm"
+                )
+
+    async def _stream(self, live: _Live, collector) -> AsyncIterator[RequestOutput]:
+        try:
+            if self.model == "ensemble":
+                text = await self._loop.run_in_executor(self._prompt_pool, self._prompt_text, live.gen)
+                inputs = self._ensemble_inputs(live.gen, text)
+            else:
+                inputs = self._token_inputs(live.gen)
+            self._send(live, inputs)
+        except BaseException:
+            self._forget(live)
+            self.streams.close(live.req_id)
+            raise
+        async for out in self.streams.stream(live.req_id, collector, self.abort):
+            yield out
+
+    def _prompt_text(self, gen: GenerateRequest) -> str:
+        """The ensemble takes text, tokenized again by its preprocessing: only ids that survive the round trip."""
+        text = self.tokenizer.decode(gen.prompt_token_ids, skip_special_tokens=False)
+        if self.tokenizer.encode(text) != list(gen.prompt_token_ids):
+            raise InvalidRequest(
+                "prompt_token_ids: these ids do not survive decoding and re-encoding, and the ensemble model takes "
+                "text; use --triton-model tensorrt_llm for token-level prompts"
+            )
+        return text
+
+    def _token_inputs(self, gen: GenerateRequest) -> list[InferInput]:
+        p, ids = gen.sampling, list(gen.prompt_token_ids)
+        inputs = [
+            _tensor("input_ids", ids, "INT32", np.int32),
+            _tensor("input_lengths", len(ids), "INT32", np.int32),
+            _tensor("request_output_len", p.max_tokens, "INT32", np.int32),
+            _tensor("streaming", True, "BOOL", np.bool_),
+            _tensor("end_id", -1 if p.ignore_eos else self.end_id, "INT32", np.int32),  # -1: never stop on it
+            _tensor("pad_id", self.pad_id, "INT32", np.int32),
+            _tensor("exclude_input_in_output", True, "BOOL", np.bool_),
+            _tensor("return_perf_metrics", True, "BOOL", np.bool_),
+            *sampling_tensors(p, "tensorrt_llm"),
+        ]
+        words = [*p.stop_token_ids, *(() if p.ignore_eos else self.extra_eos)]
+        if words:  # single-token stop words: ids, then cumulative end offsets
+            inputs.append(_tensor("stop_words_list", [words, list(range(1, len(words) + 1))], "INT32", np.int32))
+        return inputs
+
+    def _ensemble_inputs(self, gen: GenerateRequest, text: str) -> list[InferInput]:
+        p = gen.sampling
+        inputs = [
+            _tensor("text_input", np.array([text.encode()], dtype=np.object_), "BYTES", np.object_),
+            _tensor("max_tokens", p.max_tokens, "INT32", np.int32),
+            _tensor("stream", True, "BOOL", np.bool_),
+            _tensor("exclude_input_in_output", True, "BOOL", np.bool_),
+            _tensor("return_perf_metrics", True, "BOOL", np.bool_),
+            _tensor("return_num_input_tokens", True, "BOOL", np.bool_),
+            _tensor("return_num_output_tokens", True, "BOOL", np.bool_),
+            *sampling_tensors(p, "ensemble"),
+        ]
+        if p.ignore_eos:
+            inputs.append(_tensor("end_id", -1, "INT32", np.int32))
+        return inputs
+
+    def _client(self) -> InferenceServerClient:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return InferenceServerClient(self.url, channel_args=channel_args(self.triton))
+
+    def _send(self, live: _Live, inputs: list[InferInput]) -> None:
+        client = live.client = self._client()
+        try:
+            client.start_stream(callback=functools.partial(self._on_response, live))
+            client.async_stream_infer(self.model, inputs, request_id=live.req_id, enable_empty_final_response=True)
+        except InferenceServerException as exc:
+            self._release(live, cancel=True)
+            raise EngineUnavailable(f"the Triton server at {self.url} did not take the request: {exc}") from None
+
+    def abort(self, req_id: str) -> None:
+        """Cancel by our id (the consumer went away, a deadline, the drain); idempotent."""
+        with self._lock:
+            live = self._live.get(req_id)
+        if live is not None and not live.done:
+            live.done = True
+            self._forget(live)
+            self._release(live, cancel=True)
+
+    def abort_all(self) -> None:
+        with self._lock:
+            ids = list(self._live)
+        for req_id in ids:
+            self.abort(req_id)
+        if ids:  # the streams are cut: end their consumers too
+            self.deliver([RequestOutput(i, [], finished=True, finish_reason="abort") for i in ids])
+
+    def _forget(self, live: _Live) -> None:
+        with self._lock:
+            self._live.pop(live.req_id, None)
+
+    def _release(self, live: _Live, cancel: bool) -> None:
+        """Close the request's stream (cancelling it on the server) off this thread, then pool the client."""
+        client, live.client = live.client, None
+        if client is None:
+            return
+
+        def close() -> None:
+            try:
+                end_requests(client)
+                client.stop_stream(cancel_requests=cancel)
+            except Exception:  # a broken stream: the client cannot be reused
+                logger.debug("stop_stream failed", exc_info=True)
+                client.close()
+                return
+            with self._lock:
+                if len(self._idle) < MAX_IDLE_CLIENTS and not self._stopping:
+                    self._idle.append(client)
+                    return
+            client.close()
+
+        try:
+            self._closer.submit(close)
+        except RuntimeError:  # shutting down: close here
+            close()
+
+    # ---- the stream's callback thread -------------------------------------------------------------------------------
+    def _on_response(self, live: _Live, result: Any, error: InferenceServerException | None) -> None:
+        if live.done:
+            return  # after our own final or cancel (e.g. the CANCELLED that closing the stream reports)
+        now = time.monotonic()
+        if error is not None:
+            live.done = True
+            self._forget(live)
+            logger.warning("request %s failed on the Triton server at %s: %s", live.req_id, self.url, error)
+            self._release(live, cancel=True)
+            self.deliver([RequestOutput(live.req_id, [], finished=True, finish_reason="error", error=str(error))])
+            return
+        try:
+            out = self._output(live, result, now)
+        except Exception:  # a response we cannot read: this request fails, loudly
+            logger.exception("unreadable response from the Triton server for request %s", live.req_id)
+            out = RequestOutput(live.req_id, [], finished=True, finish_reason="error", error="unreadable response")
+        if out is None:
+            return
+        if out.finished:
+            live.done = True
+            self._forget(live)
+            self._release(live, cancel=True)  # the server has finished (or we stopped early): close the stream
+        self.deliver([out])
+        if self._observer is not None:
+            self._observer.on_outputs([out])
+            if out.finished:
+                self._observer.on_gauges(self.stats())
+
+    def _output(self, live: _Live, result: Any, now: float) -> RequestOutput | None:
+        params = result.get_response().parameters
+        final = FINAL in params and params[FINAL].bool_param
+        ended = False  # we end it here: a stop token id, an end token, a stop string (the native engine's rules)
+        stop: str | int | None = None
+        accepted: list[int] = []
+        if self.model == "tensorrt_llm":
+            p = live.gen.sampling
+            raw, length = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
+            new = [] if raw is None else raw.reshape(-1).tolist()
+            if length is not None and new:
+                new = new[: int(length.reshape(-1)[0])]
+            for token in new:
+                accepted.append(token)
+                live.token_ids.append(token)
+                live.token_times.append(now)
+                found = live.text.push(token)
+                if token in p.stop_token_ids:
+                    stop, ended = token, True
+                elif not p.ignore_eos and token in self.config.tokenizer.eos_token_ids:
+                    ended = True
+                elif len(live.token_ids) >= p.max_tokens:
+                    ended = True
+                elif found is not None:
+                    stop, ended = found, True
+                if ended:
+                    break
+            live.num_tokens = len(live.token_ids)
+        else:
+            raw, count = result.as_numpy("text_output"), result.as_numpy("num_output_tokens")
+            piece = "" if raw is None else b"".join(raw.reshape(-1)).decode("utf-8", errors="replace")
+            n = int(count.reshape(-1)[0]) if count is not None else (1 if piece else 0)
+            live.num_tokens += n
+            live.token_times.extend([now] * n)  # one stamp per token, as TPOT counts tokens
+            stop = live.text.push_text(piece)
+            ended = stop is not None
+        finished = final or ended
+        if finished:
+            live.text.finish()  # release what was held back (as the native engine, a stop in the tail is not one)
+        text = live.text.take(finished)
+        if not finished and not accepted and not text:
+            return None  # nothing to send yet (an empty response, or text held back for a stop string)
+        out = RequestOutput(
+            request_id=live.req_id,
+            new_token_ids=accepted,
+            new_text=text,
+            num_prompt_tokens=len(live.gen.prompt_token_ids),
+            num_output_tokens=live.num_tokens,
+        )
+        if finished:
+            out.finished = True
+            out.finish_reason, out.stop_reason = self._finish_reason(live, stop)
+            out.timing = self._timing(live, result, now)
+        return out
+
+    def _finish_reason(self, live: _Live, stop: str | int | None) -> tuple[str, str | int | None]:
+        p = live.gen.sampling
+        if stop is not None:
+            return "stop", stop
+        last = live.token_ids[-1] if live.token_ids else None
+        if last is not None and not p.ignore_eos and last in self.config.tokenizer.eos_token_ids:
+            return "stop", None
+        if live.num_tokens >= p.max_tokens:
+            return "length", None
+        return "stop", None  # the server ended before max_tokens: at its end token (which it does not return)
+
+    def _timing(self, live: _Live, result: Any, now: float) -> RequestTiming:
+        stamps = [result.as_numpy(name) for name in PERF]
+        if all(s is not None for s in stamps):
+            arrival, scheduled, first, last = (int(s.reshape(-1)[0]) / 1e9 for s in stamps)
+            if arrival > 0:  # the server's steady clock: only differences mean anything here
+                return RequestTiming.from_times(
+                    arrival, scheduled or None, live.token_times, last or arrival,
+                    first_token=first or None, last_token=last or None,
+                )  # fmt: skip
+        return RequestTiming.from_times(live.arrival, None, live.token_times, now, source="edge")
