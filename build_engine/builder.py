@@ -129,7 +129,8 @@ def is_current(output: Path, config: EngineConfig, settings: dict[str, Any] | No
 def _write_files(out: Path, source: ModelSource, config: EngineConfig, plan: WeightPlan, progress: bool) -> None:
     packed: dict = {}
     tensors = dict(engine_tensors(source, progress=progress, plan=plan, meta=packed))
-    metadata = {"format": spec.FORMAT_NAME, "packed": json.dumps(packed, sort_keys=True)}
+    # one key: safetensors writes its metadata map in no fixed order, and identical builds must be identical bytes
+    metadata = {"packed": json.dumps(packed, sort_keys=True)}
     save_file(tensors, str(out / spec.WEIGHTS_FILE), metadata=metadata)
     os.chmod(out / spec.WEIGHTS_FILE, 0o644)  # safetensors creates it owner-only
     del tensors

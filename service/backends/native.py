@@ -76,7 +76,7 @@ def _info(core: EngineCore, max_queue: int) -> BackendInfo:
         kv_block_size=sched.block_size,
         num_kv_blocks=sched.num_kv_blocks,
         dtype=cfg.limits.dtype,
-        weight_format=cfg.limits.dtype,
+        weight_format=cfg.weight_format,
         prefix_caching=sched.enable_prefix_caching,
         eos_token_ids=tuple(cfg.tokenizer.eos_token_ids),
         max_queue=max_queue,
