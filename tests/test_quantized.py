@@ -21,6 +21,8 @@ from build_engine.quantize import WeightPlan
 from build_engine.spec import load_engine_config
 from build_engine.tensor_io import SafetensorsFile, write_safetensors
 from build_engine.tiny import write_tiny_checkpoint
+from service.backends.native import _info as native_info
+from service.engine.core import EngineCore
 from service.engine.quant import kernels
 from service.engine.runners.base import ForwardBatch, SeqChunk
 from service.engine.runners.numpy_runner import NumpyRunner
@@ -114,6 +116,7 @@ def test_build_time_quantization_is_exact_against_its_blocks(mode: str, group: i
     build(str(ckpt), engine, LIMITS, progress=False, weights=WeightPlan(mode, group))
     expected = "int8" if mode == "int8" else f"int4-g{group}+int8"
     assert load_engine_config(engine).weight_format == expected
+    assert native_info(EngineCore(engine, num_kv_blocks=8), max_queue=1).weight_format == expected  # GetModelInfo
     assert _paged_vs_naive(engine, tmp_path) <= MAX_REL_ERR
 
 
