@@ -90,6 +90,17 @@ def tokenizer_fns(args: argparse.Namespace) -> TokenizerFns:
     return TokenizerFns(encode, None)  # the llm protocol takes token ids: synthetic prompts are exact
 
 
+def served_model(args: argparse.Namespace) -> dict:
+    """What the target serves, for the report: GetModelInfo over llm.v1; Triton does not say (its model's name)."""
+    if args.protocol == "triton":
+        return {"model_name": args.model, "weight_format": "not reported by the triton protocol"}
+    info = llm_pb2_grpc.LLMServiceStub(open_channel(args)).GetModelInfo(
+        llm_pb2.GetModelInfoRequest(), metadata=call_metadata(args), timeout=30
+    )
+    return {"model_name": info.model_name, "backend": info.backend, "dtype": info.dtype,
+            "weight_format": info.weight_format}  # fmt: skip
+
+
 def make_backend(args: argparse.Namespace) -> Backend:
     if args.protocol == "triton":
         return TritonBackend(args.target, args.model)
@@ -153,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         console = Console(stderr=True, width=170)  # a log file: do not squeeze the table into 80 columns
     started = time.time()
     try:
+        model = served_model(args)
+        console.print(f"model {model['model_name']}, weights {model['weight_format']}"
+                      + (f", backend {model['backend']}" if "backend" in model else ""))  # fmt: skip
         runs = asyncio.run(run_sweep(args, console))
     except grpc.RpcError as err:
         console.print(f"loadtest: error: {err.code().name}: {err.details()}")
@@ -164,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "target": args.target,
         "protocol": args.protocol,
+        "model": model,
         "dataset": args.dataset,
         "input_len": args.input_len,
         "output_len": args.output_len,
