@@ -24,6 +24,7 @@
 #include <errno.h>
 #include <immintrin.h>
 #include <limits.h>
+#include <math.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -648,6 +649,197 @@ static int tiles_per_task(int ntiles, int nthreads, int n) {
     return tpt < 1 ? 1 : tpt;
 }
 
+/* ===================================== causal attention ========================================== */
+/* One sequence's new queries over its context, grouped-query, online softmax (flash-attention order):
+ *   q [n][H][hd] (already scaled by 1/sqrt(hd)), k, v [ctx][KV][hd], out [n][H * hd]; query i sits at
+ *   position ctx - n + i and sees keys 0 .. ctx - n + i. Tasks: (query head, block of AQ_ROWS queries).
+ * K is transposed once per call into kt [KV][hd][ctx_pad] so 8 keys' scores come from one FMA chain per
+ * dimension (no horizontal sums); exp is a Cephes-style polynomial (max rel. error ~2e-7, like expf). */
+#define AQ_ROWS 16 /* query rows per task */
+#define AK_TILE 64 /* keys per online-softmax step */
+
+typedef struct {
+    const float *q, *kt, *v;
+    float *out;
+    int n, ctx, ctx_pad, H, KV, hd, nqb;
+} attn_t;
+
+AVX2_INLINE __m256 exp256(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+AVX2_INLINE float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+AVX2_INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* AVX2 path (hd a multiple of 16, at most 256): the R <= 4 query heads of one KV head, for one query row,
+ * go together, so each K and V load feeds R FMAs. R is a constant in each instance (the loops unroll). */
+AVX2_INLINE void attn_heads_avx2(const attn_t *A, int h0, int i, const int R) {
+    const int hd = A->hd, kvh = h0 / (A->H / A->KV), ldk = A->ctx_pad;
+    const int last = A->ctx - A->n + i; /* the last key this query sees */
+    const float *kt = A->kt + (size_t)kvh * hd * ldk, *q = A->q + ((size_t)i * A->H + h0) * hd;
+    float s[4][AK_TILE] __attribute__((aligned(32)));
+    float acc[4][256] __attribute__((aligned(32)));
+    float m[4], l[4];
+    for (int r = 0; r < R; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        for (int c = 0; c < hd; c++) acc[r][c] = 0.0f;
+    }
+    for (int j0 = 0; j0 <= last; j0 += AK_TILE) {
+        const int nk = last + 1 - j0 < AK_TILE ? last + 1 - j0 : AK_TILE, nsub = (nk + 15) / 16;
+        for (int sub = 0; sub < nsub; sub++) { /* scores of 16 keys for the R heads */
+            __m256 a0[4], a1[4];
+            for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+            const float *kp = kt + j0 + 16 * sub;
+            for (int d = 0; d < hd; d++) {
+                const __m256 k0 = _mm256_loadu_ps(kp + (size_t)d * ldk), k1 = _mm256_loadu_ps(kp + (size_t)d * ldk + 8);
+                for (int r = 0; r < R; r++) {
+                    const __m256 qd = _mm256_broadcast_ss(q + r * hd + d);
+                    a0[r] = _mm256_fmadd_ps(qd, k0, a0[r]);
+                    a1[r] = _mm256_fmadd_ps(qd, k1, a1[r]);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                _mm256_store_ps(s[r] + 16 * sub, a0[r]);
+                _mm256_store_ps(s[r] + 16 * sub + 8, a1[r]);
+            }
+        }
+        const int ng = 2 * nsub;
+        for (int r = 0; r < R; r++) {
+            for (int j = nk; j < 8 * ng; j++) s[r][j] = -INFINITY; /* keys past `last` (and the padding) */
+            __m256 mx = _mm256_set1_ps(-INFINITY);
+            for (int g = 0; g < ng; g++) mx = _mm256_max_ps(mx, _mm256_load_ps(s[r] + 8 * g));
+            const float m_new = fmaxf(m[r], hmax256(mx));
+            const float corr = expf(m[r] - m_new); /* 0 on the first tile (m = -inf) */
+            const __m256 mnew = _mm256_set1_ps(m_new), ninf = _mm256_set1_ps(-INFINITY);
+            __m256 lsum = _mm256_setzero_ps();
+            for (int g = 0; g < ng; g++) {
+                const __m256 sv = _mm256_load_ps(s[r] + 8 * g);
+                __m256 p = exp256(_mm256_sub_ps(sv, mnew));
+                p = _mm256_and_ps(p, _mm256_cmp_ps(sv, ninf, _CMP_NEQ_OQ)); /* masked keys: exactly 0 */
+                _mm256_store_ps(s[r] + 8 * g, p);
+                lsum = _mm256_add_ps(lsum, p);
+            }
+            l[r] = l[r] * corr + hsum256(lsum);
+            m[r] = m_new;
+            if (corr != 1.0f) {
+                const __m256 cv = _mm256_set1_ps(corr);
+                for (int c = 0; c < hd; c += 8) _mm256_store_ps(acc[r] + c, _mm256_mul_ps(_mm256_load_ps(acc[r] + c), cv));
+            }
+        }
+        const float *vbase = A->v + ((size_t)j0 * A->KV + kvh) * hd;
+        const size_t ldv = (size_t)A->KV * hd;
+        for (int c = 0; c < hd; c += 16) { /* acc += P V, 16 dimensions at a time, in registers over the keys */
+            __m256 o0[4], o1[4];
+            for (int r = 0; r < R; r++) {
+                o0[r] = _mm256_load_ps(acc[r] + c);
+                o1[r] = _mm256_load_ps(acc[r] + c + 8);
+            }
+            for (int j = 0; j < nk; j++) {
+                const float *vj = vbase + j * ldv + c;
+                const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+                for (int r = 0; r < R; r++) {
+                    const __m256 pj = _mm256_broadcast_ss(s[r] + j);
+                    o0[r] = _mm256_fmadd_ps(pj, v0, o0[r]);
+                    o1[r] = _mm256_fmadd_ps(pj, v1, o1[r]);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                _mm256_store_ps(acc[r] + c, o0[r]);
+                _mm256_store_ps(acc[r] + c + 8, o1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
+        float *o = A->out + ((size_t)i * A->H + h0 + r) * hd;
+        for (int c = 0; c < hd; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_load_ps(acc[r] + c), inv));
+    }
+}
+
+AVX2_FN static void attn_heads_avx2_n(const attn_t *A, int h0, int i, int R) {
+    switch (R) {
+    case 1: attn_heads_avx2(A, h0, i, 1); break;
+    case 2: attn_heads_avx2(A, h0, i, 2); break;
+    case 3: attn_heads_avx2(A, h0, i, 3); break;
+    default: attn_heads_avx2(A, h0, i, 4); break;
+    }
+}
+
+static void attn_row_generic(const attn_t *A, int h, int i, float *acc, float *s) {
+    const int hd = A->hd, kvh = h / (A->H / A->KV), last = A->ctx - A->n + i;
+    const float *qi = A->q + ((size_t)i * A->H + h) * hd;
+    const float *kt = A->kt + (size_t)kvh * hd * A->ctx_pad;
+    for (int c = 0; c < hd; c++) acc[c] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+    for (int j0 = 0; j0 <= last; j0 += AK_TILE) {
+        const int nk = last + 1 - j0 < AK_TILE ? last + 1 - j0 : AK_TILE;
+        for (int j = 0; j < nk; j++) s[j] = 0.0f;
+        for (int d = 0; d < hd; d++) {
+            const float qd = qi[d], *row = kt + (size_t)d * A->ctx_pad + j0;
+            for (int j = 0; j < nk; j++) s[j] += qd * row[j];
+        }
+        float m_new = m;
+        for (int j = 0; j < nk; j++) m_new = fmaxf(m_new, s[j]);
+        const float corr = expf(m - m_new);
+        float lsum = 0.0f;
+        for (int j = 0; j < nk; j++) {
+            s[j] = expf(s[j] - m_new);
+            lsum += s[j];
+        }
+        l = l * corr + lsum;
+        for (int c = 0; c < hd; c++) acc[c] *= corr;
+        for (int j = 0; j < nk; j++) {
+            const float *vj = A->v + ((size_t)(j0 + j) * A->KV + kvh) * hd;
+            for (int c = 0; c < hd; c++) acc[c] += s[j] * vj[c];
+        }
+        m = m_new;
+    }
+    float *o = A->out + ((size_t)i * A->H + h) * hd;
+    for (int c = 0; c < hd; c++) o[c] = acc[c] / l;
+}
+
+/* Tasks: (chunk of up to 4 query heads sharing a KV head, block of AQ_ROWS queries). */
+static void task_attention(void *ctx, int task) {
+    const attn_t *A = ctx;
+    const int G = A->H / A->KV, per_kv = (G + 3) / 4, chunk = task / A->nqb, i0 = (task % A->nqb) * AQ_ROWS;
+    const int i1 = i0 + AQ_ROWS < A->n ? i0 + AQ_ROWS : A->n;
+    const int h0 = (chunk / per_kv) * G + (chunk % per_kv) * 4, hend = (chunk / per_kv + 1) * G;
+    const int R = hend - h0 < 4 ? hend - h0 : 4;
+    if (g_avx2 && A->hd % 16 == 0 && A->hd <= 256) {
+        for (int i = i0; i < i1; i++) attn_heads_avx2_n(A, h0, i, R);
+        return;
+    }
+    float acc[1024], s[AK_TILE];
+    for (int i = i0; i < i1; i++)
+        for (int h = h0; h < h0 + R; h++) attn_row_generic(A, h, i, acc, s);
+}
+
 /* ========================================= Python ================================================= */
 typedef struct {
     Py_buffer b;
@@ -795,6 +987,60 @@ done:
     return ret;
 }
 
+/* attention(q, k, v, out, n, ctx, H, KV, hd, threads): out[n, H*hd] = causal GQA attention of q[n, H, hd] over
+ * k, v [ctx, KV, hd] (query i at position ctx - n + i); threads 1 runs on the calling thread only. */
+static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "attention(q, k, v, out, n, ctx, H, KV, hd, threads)");
+        return NULL;
+    }
+    int n = (int)PyLong_AsLong(args[4]), ctx = (int)PyLong_AsLong(args[5]), H = (int)PyLong_AsLong(args[6]);
+    int KV = (int)PyLong_AsLong(args[7]), hd = (int)PyLong_AsLong(args[8]), threads = (int)PyLong_AsLong(args[9]);
+    if (PyErr_Occurred()) return NULL;
+    if (n <= 0 || ctx < n || KV <= 0 || H <= 0 || H % KV || hd <= 0 || hd > 1024) {
+        PyErr_SetString(PyExc_ValueError, "attention: need 0 < n <= ctx, H a multiple of KV, 0 < hd <= 1024");
+        return NULL;
+    }
+    buf_t bq, bk, bv, bo;
+    bq.ok = bk.ok = bv.ok = bo.ok = 0;
+    PyObject *ret = NULL;
+    if (get_buf(args[0], &bq, 0, (Py_ssize_t)n * H * hd * 4, "q", 1) < 0) goto done;
+    if (get_buf(args[1], &bk, 0, (Py_ssize_t)ctx * KV * hd * 4, "k", 1) < 0) goto done;
+    if (get_buf(args[2], &bv, 0, (Py_ssize_t)ctx * KV * hd * 4, "v", 1) < 0) goto done;
+    if (get_buf(args[3], &bo, 1, (Py_ssize_t)n * H * hd * 4, "out", 1) < 0) goto done;
+    {
+        const int ctx_pad = (ctx + 15) / 16 * 16, nqb = (n + AQ_ROWS - 1) / AQ_ROWS;
+        const int ntasks = KV * ((H / KV + 3) / 4) * nqb;
+        float *kt = calloc((size_t)KV * hd * ctx_pad, sizeof(float));
+        if (!kt) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        const float *k = bk.b.buf;
+        attn_t A = {bq.b.buf, kt, bv.b.buf, bo.b.buf, n, ctx, ctx_pad, H, KV, hd, nqb};
+        Py_BEGIN_ALLOW_THREADS;
+        for (int j = 0; j < ctx; j++) /* kt[g][d][j] = k[j][g][d] */
+            for (int g = 0; g < KV; g++)
+                for (int d = 0; d < hd; d++) kt[((size_t)g * hd + d) * ctx_pad + j] = k[((size_t)j * KV + g) * hd + d];
+        if (threads == 1) {
+            for (int t = 0; t < ntasks; t++) task_attention(&A, t);
+        } else {
+            pool_run(task_attention, &A, ntasks);
+        }
+        Py_END_ALLOW_THREADS;
+        free(kt);
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    rel_buf(&bq);
+    rel_buf(&bk);
+    rel_buf(&bv);
+    rel_buf(&bo);
+    return ret;
+}
+
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     (void)self;
     long n = PyLong_AsLong(arg);
@@ -841,6 +1087,8 @@ static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "matmul(kind, w, rows, cols, x, n, y, mode)"},
     {"dequantize_t", (PyCFunction)(void (*)(void))py_dequantize_t, METH_FASTCALL,
      "dequantize_t(kind, w, rows, cols, out[cols, rows])"},
+    {"attention", (PyCFunction)(void (*)(void))py_attention, METH_FASTCALL,
+     "attention(q, k, v, out, n, ctx, H, KV, hd, threads): causal grouped-query attention of one sequence"},
     {"set_num_threads", py_set_num_threads, METH_O, "threads used by the kernels (including the caller)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, ""},
     {"set_spin_us", py_set_spin_us, METH_O, "how long idle workers spin before sleeping (microseconds)"},

@@ -84,6 +84,20 @@ def matmul(x: np.ndarray, w: PackedMatrix, out: np.ndarray | None = None, path: 
     return out
 
 
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, threads: int = 0) -> np.ndarray | None:
+    """Causal grouped-query attention of one sequence in C (online softmax, AVX2 where the CPU has it), or None
+    without the C extension. q: [n, H, hd] scaled queries, the last n positions; k, v: [ctx, KV, hd];
+    returns [n, H * hd]. threads: 1 = the calling thread only, else the kernels' pool."""
+    if _qk is None or not hasattr(_qk, "attention"):
+        return None
+    n, heads, hd = q.shape
+    ctx, kv_heads, _ = k.shape
+    q, k, v = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v))
+    out = np.empty((n, heads * hd), dtype=np.float32)  # [n, H * hd]
+    _qk.attention(q, k, v, out, n, ctx, heads, kv_heads, hd, threads)
+    return out
+
+
 _DEQ_BUF: dict[str, np.ndarray] = {}  # reusable fp32 buffer for the prefill path (grown to the largest matrix)
 
 

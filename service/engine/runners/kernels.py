@@ -46,10 +46,16 @@ def embedding_rows(table: np.ndarray | PackedMatrix, token_ids: np.ndarray) -> n
     return table[token_ids]
 
 
+# Threads of the compiled prefill attention: 1 (the calling thread) next to OpenBLAS's own pool in fp32 engines,
+# whose spinning workers would fight a second pool; 0 (the kernels' pool) once use_quant_threads() has run.
+_ATTENTION_THREADS = [1]
+
+
 def use_quant_threads() -> None:
-    """Quantized engines run their matmuls on the quant kernels' own 2-thread pool; OpenBLAS (attention only)
-    then runs on one thread, since its spinning workers would fight that pool (docs/benchmarks.md)."""
+    """Quantized engines run their matmuls and prefill attention on the kernels' own 2-thread pool; OpenBLAS
+    then runs on one thread, since its spinning workers would fight that pool (docs/kernels.md)."""
     quant.openblas_threads(1)
+    _ATTENTION_THREADS[0] = 0
 
 
 def rope_tables(max_positions: int, head_dim: int, theta: float, freq_factors: np.ndarray | None) -> np.ndarray:
@@ -84,7 +90,16 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     q: [n, H, hd] new queries (already scaled by 1/sqrt(hd)), the last n positions of the context
     k, v: [ctx, KV, hd] keys and values of positions 0 .. ctx - 1
     returns [n, H * hd]
+    Compiled (service/engine/quant/_kernels.c: online softmax, no score matrix) where the extension is built.
     """
+    compiled = quant.attention(q, k, v, _ATTENTION_THREADS[0])
+    if compiled is not None:
+        return compiled
+    return causal_attention_numpy(q, k, v)
+
+
+def causal_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """causal_attention in numpy (BLAS score matrices, query chunks): the fallback without the C extension."""
     n, n_heads, head_dim = q.shape
     ctx, n_kv, _ = k.shape
     group = n_heads // n_kv
