@@ -40,7 +40,7 @@ if FORCED not in ("numba", "numpy"):
 KIND_ID = {"q4": 0, "q8_0": 1}
 PATH_ID = {"auto": 0, "direct": 1, "panel": 2}
 DIRECT_MAX_ROWS = 8  # "auto": rows of x up to which the C side uses the direct kernel (its DIRECT_MAX_N)
-# rows of x from which "auto" switches to dequantize + BLAS. Measured (RESULTS.md): the panel kernel on our own
+# rows of x from which "auto" switches to dequantize + BLAS. Measured (docs/kernels.md): the panel kernel on our own
 # 2-thread pool matches 2-thread OpenBLAS at 512 rows (0.97x) and beats it at 128 (1.2x), while dequantize +
 # BLAS is 0.87-0.91x, so auto never takes it (and OpenBLAS can stay at 1 thread); kept for explicit path="blas".
 PREFILL_ROWS = 1 << 62
