@@ -132,6 +132,12 @@ def test_kernel_backends_agree_and_rows_lookup(tmp_path: Path) -> None:
         ref = x.astype(np.float64) @ dequantize_packed(w).T.astype(np.float64)
         for path in ("direct", "panel", "blas"):
             assert _rel_err(kernels.matmul(x, w, path=path), ref) <= 1e-6, (rows, path)
+            if kernels.backend() == "c-avx2":  # the extension's portable path too
+                kernels._qk.force_generic(True)
+                try:
+                    assert _rel_err(kernels.matmul(x, w, path=path), ref) <= 1e-6, (rows, path, "portable")
+                finally:
+                    kernels._qk.force_generic(False)
         fallback = np.empty((rows, w.rows), np.float32)
         kernels._fallback_matmul(x, w, fallback)  # numba where it is installed, else numpy
         assert _rel_err(fallback, ref) <= 1e-6

@@ -519,8 +519,8 @@ static void dequant_tile_generic(int kind, const uint8_t *tile, int nblk, float 
                 float d = half_to_float(dh), m = half_to_float(mh);
                 for (int j = 0; j < 16; j++) {
                     uint8_t q = c[32 * j + r];
-                    o[j * ldo + r] = fmaf((float)(q & 15), d, m);
-                    o[(j + 16) * ldo + r] = fmaf((float)(q >> 4), d, m);
+                    o[j * ldo + r] = (float)(q & 15) * d + m; /* not fmaf: a libm call without -mfma */
+                    o[(j + 16) * ldo + r] = (float)(q >> 4) * d + m;
                 }
             }
         } else {

@@ -37,6 +37,21 @@ if FORCED not in ("numba", "numpy"):
     except ImportError:  # pragma: no cover - only where the extension was not built (no compiler)
         _qk = None
 
+
+def _numba_importable() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return FORCED != "numpy"
+
+
+# The portable C matmul (a CPU without AVX2/FMA/F16C) is ~8x slower than single-threaded numba (docs/kernels.md),
+# so there numba does the matmuls unless QUANT_KERNELS_GENERIC=1 asks for the portable C on purpose.
+_C_MATMUL = _qk is not None and (
+    _qk.isa() == "avx2" or os.environ.get("QUANT_KERNELS_GENERIC", "0") != "0" or not _numba_importable()
+)
+
 KIND_ID = {"q4": 0, "q8_0": 1}
 PATH_ID = {"auto": 0, "direct": 1, "panel": 2}
 DIRECT_MAX_ROWS = 8  # "auto": rows of x up to which the C side uses the direct kernel (its DIRECT_MAX_N)
@@ -47,8 +62,8 @@ PREFILL_ROWS = 1 << 62
 
 
 def backend() -> str:
-    """'c-avx2', 'c-generic', 'numba' or 'numpy'."""
-    if _qk is not None:
+    """The matmul kernels in use: 'c-avx2', 'c-generic', 'numba' or 'numpy'."""
+    if _C_MATMUL:
         return "c-" + _qk.isa()
     return "numba" if _numba_kernels() is not None else "numpy"
 
@@ -77,7 +92,7 @@ def matmul(x: np.ndarray, w: PackedMatrix, out: np.ndarray | None = None, path: 
         out = np.empty((T, w.rows), dtype=np.float32)  # [T, rows]
     if path == "blas" or (path == "auto" and T >= PREFILL_ROWS):
         np.matmul(x, dequantize_t(w), out=out)
-    elif _qk is not None:  # the C side checks dtype, contiguity and sizes of x and out
+    elif _C_MATMUL:  # the C side checks dtype, contiguity and sizes of x and out
         _qk.matmul(KIND_ID[w.kind], w.data, w.rows, cols, x, T, out, PATH_ID[path])
     else:
         _fallback_matmul(x, w, out)
@@ -108,7 +123,7 @@ def dequantize_t(w: PackedMatrix, out: np.ndarray | None = None) -> np.ndarray:
         if buf is None or buf.size < w.rows * w.cols:
             buf = _DEQ_BUF["buf"] = np.empty(w.rows * w.cols, dtype=np.float32)
         out = buf[: w.rows * w.cols].reshape(w.cols, w.rows)
-    if _qk is not None:
+    if _C_MATMUL:
         _qk.dequantize_t(KIND_ID[w.kind], w.data, w.rows, w.cols, out)
     else:
         out[...] = dequantize_packed(w).T
