@@ -9,9 +9,10 @@ import pytest
 
 from build_engine.builder import build
 from build_engine.tiny import write_tiny_checkpoint
+from service.engine.quant import kernels as quant
 from service.engine.runners.base import ForwardBatch, SeqChunk
 from service.engine.runners.numpy_runner import NumpyRunner
-from service.engine.runners.paged_attention import HAVE_NUMBA
+from service.engine.runners.paged_attention import HAVE_NUMBA, DecodeAttention
 from tests.naive_llama import NaiveLlama
 
 MAX_REL_ERR = 1e-4
@@ -38,13 +39,16 @@ def _rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["numba-decode", "numpy-only"])
+@pytest.mark.parametrize("decode", ["c", "numba", "numpy"], ids=lambda d: f"{d}-decode")
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_paged_matches_naive_for_random_mixed_batches(
-    checkpoint: Path, tmp_path: Path, block_size: int, compiled: bool
+    checkpoint: Path, tmp_path: Path, block_size: int, decode: str
 ) -> None:
-    if compiled and not HAVE_NUMBA:
+    if decode == "numba" and not HAVE_NUMBA:
         pytest.skip("numba is not installed")
+    if decode == "c" and quant.extension() is None:
+        pytest.skip("the compiled kernels extension is not built (LLM_QUANT_KERNELS, or no compiler)")
+    compiled = decode != "numpy"
     rng = np.random.default_rng(block_size)
     vocab = 267
     lengths = rng.integers(1, 90, size=6)  # each sequence's total tokens (prompt + "decoded")
@@ -54,6 +58,8 @@ def test_paged_matches_naive_for_random_mixed_batches(
     num_blocks = sum(blocks_needed) + 3
     runner = _runner(checkpoint, tmp_path, block_size, num_blocks, compiled)
     assert (runner.decode_attention is not None) == compiled
+    if compiled:
+        runner.decode_attention = DecodeAttention(use_c=decode == "c")
     pool = rng.permutation(num_blocks).tolist()  # shuffled block ids, handed out in that order
     tables = [[pool.pop() for _ in range(k)] for k in blocks_needed]
     naive = NaiveLlama(checkpoint)

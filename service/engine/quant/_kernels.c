@@ -840,6 +840,176 @@ static void task_attention(void *ctx, int task) {
         for (int h = h0; h < h0 + R; h++) attn_row_generic(A, h, i, acc, s);
 }
 
+/* ================================ decode attention and small ops ================================== */
+/* Paged decode attention: one query per sequence over its blocks in place (no gather).
+ *   q [B][H][hd] scaled, k/v layer [num_blocks][bs][KV][hd], tables int64 flat (sequence b's block ids at
+ *   starts[b] .. starts[b+1]), lens int64 [B] keys visible; out [B][H][hd]. Tasks: (sequence, chunk of up
+ *   to 4 query heads of one KV head); scores kept per task in a thread-local buffer, two passes over K, V. */
+typedef struct {
+    const float *q, *k, *v;
+    const int64_t *tables, *starts, *lens;
+    float *out;
+    int B, H, KV, hd, bs;
+    _Atomic int failed;
+} dattn_t;
+
+AVX2_INLINE void dattn_avx2(dattn_t *A, int b, int h0, const int R, float *s) {
+    const int hd = A->hd, KV = A->KV, bs = A->bs, kvh = h0 / (A->H / KV), ctx = (int)A->lens[b], nv = hd / 8;
+    const int64_t *table = A->tables + A->starts[b];
+    const float *q = A->q + ((size_t)b * A->H + h0) * hd;
+    const size_t row = (size_t)KV * hd, blk = (size_t)bs * row;
+    for (int j = 0; j < ctx; j++) { /* scores: each K row read once for the R heads */
+        const float *kj = A->k + (size_t)table[j / bs] * blk + (size_t)(j % bs) * row + (size_t)kvh * hd;
+        __m256 a[4];
+        for (int r = 0; r < R; r++) a[r] = _mm256_setzero_ps();
+        for (int c = 0; c < nv; c++) {
+            const __m256 kc = _mm256_loadu_ps(kj + 8 * c);
+            for (int r = 0; r < R; r++) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * hd + 8 * c), kc, a[r]);
+        }
+        for (int r = 0; r < R; r++) s[(size_t)r * ctx + j] = hsum256(a[r]);
+    }
+    float inv[4];
+    for (int r = 0; r < R; r++) { /* softmax per head */
+        float *sr = s + (size_t)r * ctx, m = -INFINITY, total = 0.0f;
+        for (int j = 0; j < ctx; j++) m = fmaxf(m, sr[j]);
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 tv = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 8 <= ctx; j += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
+            _mm256_storeu_ps(sr + j, e);
+            tv = _mm256_add_ps(tv, e);
+        }
+        total = hsum256(tv);
+        for (; j < ctx; j++) {
+            sr[j] = expf(sr[j] - m);
+            total += sr[j];
+        }
+        inv[r] = 1.0f / total;
+    }
+    for (int c0 = 0; c0 < nv; c0 += 2) { /* P V: 16 dimensions at a time in registers over the keys */
+        const int two = c0 + 1 < nv;
+        __m256 o0[4], o1[4];
+        for (int r = 0; r < R; r++) o0[r] = o1[r] = _mm256_setzero_ps();
+        for (int j = 0; j < ctx; j++) {
+            const float *vj = A->v + (size_t)table[j / bs] * blk + (size_t)(j % bs) * row + (size_t)kvh * hd + 8 * c0;
+            const __m256 v0 = _mm256_loadu_ps(vj), v1 = two ? _mm256_loadu_ps(vj + 8) : _mm256_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                const __m256 p = _mm256_broadcast_ss(s + (size_t)r * ctx + j);
+                o0[r] = _mm256_fmadd_ps(p, v0, o0[r]);
+                o1[r] = _mm256_fmadd_ps(p, v1, o1[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            float *o = A->out + ((size_t)b * A->H + h0 + r) * hd + 8 * c0;
+            const __m256 iv = _mm256_set1_ps(inv[r]);
+            _mm256_storeu_ps(o, _mm256_mul_ps(o0[r], iv));
+            if (two) _mm256_storeu_ps(o + 8, _mm256_mul_ps(o1[r], iv));
+        }
+    }
+}
+
+AVX2_FN static void dattn_avx2_n(dattn_t *A, int b, int h0, int R, float *s) {
+    switch (R) {
+    case 1: dattn_avx2(A, b, h0, 1, s); break;
+    case 2: dattn_avx2(A, b, h0, 2, s); break;
+    case 3: dattn_avx2(A, b, h0, 3, s); break;
+    default: dattn_avx2(A, b, h0, 4, s); break;
+    }
+}
+
+static void dattn_generic(dattn_t *A, int b, int h, float *s) {
+    const int hd = A->hd, KV = A->KV, bs = A->bs, kvh = h / (A->H / KV), ctx = (int)A->lens[b];
+    const int64_t *table = A->tables + A->starts[b];
+    const float *q = A->q + ((size_t)b * A->H + h) * hd;
+    const size_t row = (size_t)KV * hd, blk = (size_t)bs * row;
+    float m = -INFINITY, total = 0.0f;
+    for (int j = 0; j < ctx; j++) {
+        const float *kj = A->k + (size_t)table[j / bs] * blk + (size_t)(j % bs) * row + (size_t)kvh * hd;
+        float d = 0.0f;
+        for (int c = 0; c < hd; c++) d += q[c] * kj[c];
+        s[j] = d;
+        m = fmaxf(m, d);
+    }
+    for (int j = 0; j < ctx; j++) {
+        s[j] = expf(s[j] - m);
+        total += s[j];
+    }
+    float *o = A->out + ((size_t)b * A->H + h) * hd;
+    for (int c = 0; c < hd; c++) o[c] = 0.0f;
+    for (int j = 0; j < ctx; j++) {
+        const float *vj = A->v + (size_t)table[j / bs] * blk + (size_t)(j % bs) * row + (size_t)kvh * hd;
+        for (int c = 0; c < hd; c++) o[c] += s[j] * vj[c];
+    }
+    for (int c = 0; c < hd; c++) o[c] /= total;
+}
+
+static void task_dattn(void *ctx, int task) {
+    dattn_t *A = ctx;
+    const int G = A->H / A->KV, per_kv = (G + 3) / 4, chunks = A->KV * per_kv;
+    const int b = task / chunks, chunk = task % chunks;
+    const int h0 = (chunk / per_kv) * G + (chunk % per_kv) * 4, hend = (chunk / per_kv + 1) * G;
+    const int R = hend - h0 < 4 ? hend - h0 : 4, n = (int)A->lens[b];
+    float *s = scratch((size_t)4 * (n > 0 ? n : 1));
+    if (!s) {
+        atomic_store(&A->failed, 1);
+        return;
+    }
+    if (g_avx2 && A->hd % 8 == 0 && A->hd <= 256) dattn_avx2_n(A, b, h0, R, s);
+    else for (int h = h0; h < h0 + R; h++) dattn_generic(A, b, h, s);
+}
+
+/* y[t] = x[t] / rms(x[t]) (* gain): one pass for the sum of squares, one for the scaling */
+static void rmsnorm_rows(const float *x, const float *gain, float eps, float *y, int T, int D) {
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (size_t)t * D;
+        float *yt = y + (size_t)t * D;
+        float ss = 0.0f;
+        for (int i = 0; i < D; i++) ss += xt[i] * xt[i];
+        const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+        if (gain) for (int i = 0; i < D; i++) yt[i] = xt[i] * inv * gain[i];
+        else for (int i = 0; i < D; i++) yt[i] = xt[i] * inv;
+    }
+}
+
+/* rotate-half RoPE in place on the first nrot heads of x [T][nheads][hd]; table [2][P][hd/2] (cos, sin) */
+static void rope_rows(float *x, const float *table, const int64_t *pos, int T, int nheads, int nrot, int hd, int P) {
+    const int half = hd / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = table + (size_t)pos[t] * half, *sn = table + ((size_t)P + pos[t]) * half;
+        for (int h = 0; h < nrot; h++) {
+            float *x1 = x + ((size_t)t * nheads + h) * hd, *x2 = x1 + half;
+            for (int i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * sn[i];
+                x2[i] = b * c[i] + a * sn[i];
+            }
+        }
+    }
+}
+
+AVX2_FN static void silu_mul_avx2(const float *gu, float *y, int T, int F) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (size_t)t * 2 * F, *u = g + F;
+        float *yt = y + (size_t)t * F;
+        int i = 0;
+        for (; i + 8 <= F; i += 8) { /* g * sigmoid(g) * u, sigmoid = 1 / (1 + exp(-g)) */
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(yt + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < F; i++) yt[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+static void silu_mul_generic(const float *gu, float *y, int T, int F) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (size_t)t * 2 * F, *u = g + F;
+        for (int i = 0; i < F; i++) y[(size_t)t * F + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
 /* ========================================= Python ================================================= */
 typedef struct {
     Py_buffer b;
@@ -1041,6 +1211,226 @@ done:
     return ret;
 }
 
+static int as_int(PyObject *o, long lo, long hi, const char *what, long *out) {
+    long v = PyLong_AsLong(o);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (v < lo || v > hi) {
+        PyErr_Format(PyExc_ValueError, "%s = %ld out of range [%ld, %ld]", what, v, lo, hi);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int get_i64(PyObject *o, buf_t *bb, Py_ssize_t need, const char *what) {
+    if (get_buf(o, bb, 0, need * 8, what, 0) < 0) return -1;
+    if (bb->b.itemsize != 8 || !bb->b.format || (strcmp(bb->b.format, "l") && strcmp(bb->b.format, "q"))) {
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous int64 array", what);
+        return -1;
+    }
+    return 0;
+}
+
+/* decode_attention(q, k_layer, v_layer, tables, starts, lens, out, B, H, KV, hd, bs, num_blocks, threads) */
+static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 14) {
+        PyErr_SetString(PyExc_TypeError,
+                        "decode_attention(q, k, v, tables, starts, lens, out, B, H, KV, hd, bs, num_blocks, threads)");
+        return NULL;
+    }
+    long B, H, KV, hd, bs, nb, threads;
+    if (as_int(args[7], 1, 1 << 20, "B", &B) || as_int(args[8], 1, 4096, "H", &H) ||
+        as_int(args[9], 1, 4096, "KV", &KV) || as_int(args[10], 1, 1024, "hd", &hd) ||
+        as_int(args[11], 1, 1 << 16, "block_size", &bs) || as_int(args[12], 1, 1L << 40, "num_blocks", &nb) ||
+        as_int(args[13], 0, 1, "threads", &threads))
+        return NULL;
+    if (H % KV) {
+        PyErr_SetString(PyExc_ValueError, "H must be a multiple of KV");
+        return NULL;
+    }
+    buf_t bq, bk, bv, bt, bst, bl, bo;
+    bq.ok = bk.ok = bv.ok = bt.ok = bst.ok = bl.ok = bo.ok = 0;
+    PyObject *ret = NULL;
+    const Py_ssize_t cache = (Py_ssize_t)nb * bs * KV * hd * 4;
+    if (get_buf(args[0], &bq, 0, (Py_ssize_t)B * H * hd * 4, "q", 1) < 0) goto done;
+    if (get_buf(args[1], &bk, 0, cache, "k", 1) < 0) goto done;
+    if (get_buf(args[2], &bv, 0, cache, "v", 1) < 0) goto done;
+    if (get_i64(args[4], &bst, B + 1, "starts") < 0) goto done;
+    if (get_i64(args[5], &bl, B, "lens") < 0) goto done;
+    if (get_buf(args[6], &bo, 1, (Py_ssize_t)B * H * hd * 4, "out", 1) < 0) goto done;
+    {
+        const int64_t *st = bst.b.buf, *ln = bl.b.buf;
+        if (st[0] != 0) {
+            PyErr_SetString(PyExc_ValueError, "starts[0] must be 0");
+            goto done;
+        }
+        for (long b = 0; b < B; b++)
+            if (st[b + 1] < st[b] || ln[b] < 1 || ln[b] > (st[b + 1] - st[b]) * bs) {
+                PyErr_Format(PyExc_ValueError, "sequence %ld: %lld keys do not fit its block table", b, (long long)ln[b]);
+                goto done;
+            }
+        if (get_i64(args[3], &bt, (Py_ssize_t)st[B], "tables") < 0) goto done;
+        const int64_t *tb = bt.b.buf;
+        for (int64_t i = 0; i < st[B]; i++)
+            if (tb[i] < 0 || tb[i] >= nb) {
+                PyErr_Format(PyExc_ValueError, "block id %lld out of range [0, %ld)", (long long)tb[i], nb);
+                goto done;
+            }
+        dattn_t A = {bq.b.buf, bk.b.buf, bv.b.buf, tb, st, ln, bo.b.buf, (int)B, (int)H, (int)KV, (int)hd, (int)bs, 0};
+        const int ntasks = (int)(B * KV * ((H / KV + 3) / 4));
+        Py_BEGIN_ALLOW_THREADS;
+        if (threads == 1 || ntasks >= 65536) for (int t = 0; t < ntasks; t++) task_dattn(&A, t);
+        else pool_run(task_dattn, &A, ntasks);
+        Py_END_ALLOW_THREADS;
+        if (atomic_load(&A.failed)) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    rel_buf(&bq); rel_buf(&bk); rel_buf(&bv); rel_buf(&bt); rel_buf(&bst); rel_buf(&bl); rel_buf(&bo);
+    return ret;
+}
+
+/* rmsnorm(x, gain or None, eps, out, T, D) */
+static PyObject *py_rmsnorm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "rmsnorm(x, gain, eps, out, T, D)");
+        return NULL;
+    }
+    long T, D;
+    if (as_int(args[4], 0, 1L << 30, "T", &T) || as_int(args[5], 1, 1 << 24, "D", &D)) return NULL;
+    const double eps = PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    buf_t bx, bg, bo;
+    bx.ok = bg.ok = bo.ok = 0;
+    PyObject *ret = NULL;
+    if (get_buf(args[0], &bx, 0, (Py_ssize_t)T * D * 4, "x", 1) < 0) goto done;
+    if (args[1] != Py_None && get_buf(args[1], &bg, 0, (Py_ssize_t)D * 4, "gain", 1) < 0) goto done;
+    if (get_buf(args[3], &bo, 1, (Py_ssize_t)T * D * 4, "out", 1) < 0) goto done;
+    Py_BEGIN_ALLOW_THREADS;
+    rmsnorm_rows(bx.b.buf, bg.ok ? bg.b.buf : NULL, (float)eps, bo.b.buf, (int)T, (int)D);
+    Py_END_ALLOW_THREADS;
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    rel_buf(&bx); rel_buf(&bg); rel_buf(&bo);
+    return ret;
+}
+
+/* rope(x, table, positions, T, nheads, nrot, hd, P): x [T][nheads][hd] in place, table [2][P][hd/2] */
+static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "rope(x, table, positions, T, nheads, nrot, hd, P)");
+        return NULL;
+    }
+    long T, nh, nrot, hd, P;
+    if (as_int(args[3], 0, 1L << 30, "T", &T) || as_int(args[4], 1, 1 << 16, "nheads", &nh) ||
+        as_int(args[6], 2, 4096, "hd", &hd) || as_int(args[7], 1, 1L << 30, "P", &P))
+        return NULL;
+    if (as_int(args[5], 0, nh, "nrot", &nrot)) return NULL;
+    if (hd % 2) {
+        PyErr_SetString(PyExc_ValueError, "hd must be even");
+        return NULL;
+    }
+    buf_t bx, bt, bp;
+    bx.ok = bt.ok = bp.ok = 0;
+    PyObject *ret = NULL;
+    if (get_buf(args[0], &bx, 1, (Py_ssize_t)T * nh * hd * 4, "x", 1) < 0) goto done;
+    if (get_buf(args[1], &bt, 0, (Py_ssize_t)2 * P * (hd / 2) * 4, "table", 1) < 0) goto done;
+    if (get_i64(args[2], &bp, T, "positions") < 0) goto done;
+    {
+        const int64_t *pos = bp.b.buf;
+        for (long t = 0; t < T; t++)
+            if (pos[t] < 0 || pos[t] >= P) {
+                PyErr_Format(PyExc_ValueError, "position %lld out of range [0, %ld)", (long long)pos[t], P);
+                goto done;
+            }
+        Py_BEGIN_ALLOW_THREADS;
+        rope_rows(bx.b.buf, bt.b.buf, pos, (int)T, (int)nh, (int)nrot, (int)hd, (int)P);
+        Py_END_ALLOW_THREADS;
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    rel_buf(&bx); rel_buf(&bt); rel_buf(&bp);
+    return ret;
+}
+
+/* silu_mul(gate_up, out, T, F): out [T][F] = silu(gate) * up, gate_up [T][2F] = [gate | up] */
+static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "silu_mul(gate_up, out, T, F)");
+        return NULL;
+    }
+    long T, F;
+    if (as_int(args[2], 0, 1L << 30, "T", &T) || as_int(args[3], 1, 1 << 24, "F", &F)) return NULL;
+    buf_t bg, bo;
+    bg.ok = bo.ok = 0;
+    PyObject *ret = NULL;
+    if (get_buf(args[0], &bg, 0, (Py_ssize_t)T * 2 * F * 4, "gate_up", 1) < 0) goto done;
+    if (get_buf(args[1], &bo, 1, (Py_ssize_t)T * F * 4, "out", 1) < 0) goto done;
+    Py_BEGIN_ALLOW_THREADS;
+    if (g_avx2) silu_mul_avx2(bg.b.buf, bo.b.buf, (int)T, (int)F);
+    else silu_mul_generic(bg.b.buf, bo.b.buf, (int)T, (int)F);
+    Py_END_ALLOW_THREADS;
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    rel_buf(&bg); rel_buf(&bo);
+    return ret;
+}
+
+/* write_kv(k_layer, v_layer, qkv, slots, T, H, KV, hd, nslots): K and V rows of each token into its slot */
+static PyObject *py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "write_kv(k_layer, v_layer, qkv, slots, T, H, KV, hd, nslots)");
+        return NULL;
+    }
+    long T, H, KV, hd, ns;
+    if (as_int(args[4], 0, 1L << 30, "T", &T) || as_int(args[5], 1, 4096, "H", &H) ||
+        as_int(args[6], 1, 4096, "KV", &KV) || as_int(args[7], 1, 4096, "hd", &hd) ||
+        as_int(args[8], 1, 1L << 40, "nslots", &ns))
+        return NULL;
+    buf_t bk, bv, bq, bs;
+    bk.ok = bv.ok = bq.ok = bs.ok = 0;
+    PyObject *ret = NULL;
+    const size_t row = (size_t)KV * hd;
+    if (get_buf(args[0], &bk, 1, (Py_ssize_t)(ns * row * 4), "k_layer", 1) < 0) goto done;
+    if (get_buf(args[1], &bv, 1, (Py_ssize_t)(ns * row * 4), "v_layer", 1) < 0) goto done;
+    if (get_buf(args[2], &bq, 0, (Py_ssize_t)T * (H + 2 * KV) * hd * 4, "qkv", 1) < 0) goto done;
+    if (get_i64(args[3], &bs, T, "slots") < 0) goto done;
+    {
+        const int64_t *sl = bs.b.buf;
+        for (long t = 0; t < T; t++)
+            if (sl[t] < 0 || sl[t] >= ns) {
+                PyErr_Format(PyExc_ValueError, "slot %lld out of range [0, %ld)", (long long)sl[t], ns);
+                goto done;
+            }
+        float *k = bk.b.buf, *v = bv.b.buf;
+        const float *x = bq.b.buf;
+        Py_BEGIN_ALLOW_THREADS;
+        for (long t = 0; t < T; t++) {
+            const float *xt = x + (size_t)t * (H + 2 * KV) * hd;
+            memcpy(k + (size_t)sl[t] * row, xt + (size_t)H * hd, row * 4);
+            memcpy(v + (size_t)sl[t] * row, xt + (size_t)(H + KV) * hd, row * 4);
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    rel_buf(&bk); rel_buf(&bv); rel_buf(&bq); rel_buf(&bs);
+    return ret;
+}
+
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     (void)self;
     long n = PyLong_AsLong(arg);
@@ -1089,6 +1479,13 @@ static PyMethodDef methods[] = {
      "dequantize_t(kind, w, rows, cols, out[cols, rows])"},
     {"attention", (PyCFunction)(void (*)(void))py_attention, METH_FASTCALL,
      "attention(q, k, v, out, n, ctx, H, KV, hd, threads): causal grouped-query attention of one sequence"},
+    {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL,
+     "decode_attention(q, k, v, tables, starts, lens, out, B, H, KV, hd, bs, num_blocks, threads)"},
+    {"rmsnorm", (PyCFunction)(void (*)(void))py_rmsnorm, METH_FASTCALL, "rmsnorm(x, gain, eps, out, T, D)"},
+    {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL, "rope(x, table, positions, T, nheads, nrot, hd, P)"},
+    {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL, "silu_mul(gate_up, out, T, F)"},
+    {"write_kv", (PyCFunction)(void (*)(void))py_write_kv, METH_FASTCALL,
+     "write_kv(k_layer, v_layer, qkv, slots, T, H, KV, hd, nslots)"},
     {"set_num_threads", py_set_num_threads, METH_O, "threads used by the kernels (including the caller)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, ""},
     {"set_spin_us", py_set_spin_us, METH_O, "how long idle workers spin before sleeping (microseconds)"},

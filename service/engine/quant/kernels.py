@@ -99,6 +99,11 @@ def matmul(x: np.ndarray, w: PackedMatrix, out: np.ndarray | None = None, path: 
     return out
 
 
+def extension():
+    """The compiled kernels module (service/engine/quant/_kernels.c), or None where it was not built."""
+    return _qk
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, threads: int = 0) -> np.ndarray | None:
     """Causal grouped-query attention of one sequence in C (online softmax, AVX2 where the CPU has it), or None
     without the C extension. q: [n, H, hd] scaled queries, the last n positions; k, v: [ctx, KV, hd];

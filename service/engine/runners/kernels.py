@@ -7,6 +7,11 @@ import numpy as np
 from build_engine.packing import PackedMatrix, dequantize_rows
 from service.engine.quant import kernels as quant
 
+# The compiled kernels (norms, RoPE, SiLU, KV writes, attention; service/engine/quant/_kernels.c) where the
+# extension is built; every function below falls back to numpy without it. One C call replaces 3-6 numpy passes,
+# which is most of a decode step's non-matmul time.
+_C = quant.extension()
+
 # Causal attention is computed in chunks of this many query rows, so a long prefill never materializes the
 # whole [queries, keys] score square and each chunk only reads the keys it can see.
 ATTENTION_QUERY_CHUNK = 256
@@ -34,6 +39,11 @@ def linear(x: np.ndarray, w: np.ndarray | PackedMatrix) -> np.ndarray:
 def rms_normalize(x: np.ndarray, eps: float, gain: np.ndarray | None = None) -> np.ndarray:
     """x / rms(x) per row, times the gain [D] when given (fp32 engines fold it into the next matmul instead)."""
     # x: [T, D]
+    if _C is not None:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        out = np.empty_like(x)  # [T, D]
+        _C.rmsnorm(x, gain, eps, out, x.shape[0], x.shape[1])
+        return out
     ms = np.einsum("td,td->t", x, x) / np.float32(x.shape[1])  # [T]
     inv = (1.0 / np.sqrt(ms + np.float32(eps)))[:, None]  # [T, 1]
     return x * inv if gain is None else x * inv * gain
@@ -49,6 +59,24 @@ def embedding_rows(table: np.ndarray | PackedMatrix, token_ids: np.ndarray) -> n
 # Threads of the compiled prefill attention: 1 (the calling thread) next to OpenBLAS's own pool in fp32 engines,
 # whose spinning workers would fight a second pool; 0 (the kernels' pool) once use_quant_threads() has run.
 _ATTENTION_THREADS = [1]
+
+
+def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, qkv: np.ndarray, slot_mapping: np.ndarray, n_heads: int) -> None:
+    """K and V of each new token into its slot of one layer's cache.
+
+    k_cache, v_cache: [num_blocks, block_size, KV, hd]; qkv: [T, H + 2 KV, hd]; slot_mapping: [T] int64."""
+    T, _, hd = qkv.shape
+    kv = k_cache.shape[2]
+    if _C is not None:
+        _C.write_kv(k_cache, v_cache, qkv, slot_mapping, T, n_heads, kv, hd, k_cache.shape[0] * k_cache.shape[1])
+        return
+    k_cache.reshape(-1, kv, hd)[slot_mapping] = qkv[:, n_heads : n_heads + kv]
+    v_cache.reshape(-1, kv, hd)[slot_mapping] = qkv[:, n_heads + kv :]
+
+
+def attention_threads() -> int:
+    """Threads for the compiled attention kernels: 1 (the calling thread), or 0 (the kernels' pool)."""
+    return _ATTENTION_THREADS[0]
 
 
 def use_quant_threads() -> None:
@@ -67,8 +95,19 @@ def rope_tables(max_positions: int, head_dim: int, theta: float, freq_factors: n
     return np.stack([np.cos(angles), np.sin(angles)]).astype(np.float32)
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
-    """Rotate-half RoPE in place on x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim // 2]."""
+def apply_rope(x: np.ndarray, rope: np.ndarray, positions: np.ndarray, n_rot: int) -> None:
+    """Rotate-half RoPE in place on the first n_rot heads of x: [T, heads, head_dim] (C-contiguous);
+    rope: rope_tables() [2, P, head_dim // 2]; positions: [T] int64."""
+    if _C is not None:
+        T, heads, hd = x.shape
+        _C.rope(x, rope, positions, T, heads, n_rot, hd, rope.shape[1])
+        return
+    cos = rope[0, positions][:, None, :]  # [T, 1, hd/2]
+    sin = rope[1, positions][:, None, :]  # [T, 1, hd/2]
+    _rope_numpy(x[:, :n_rot], cos, sin)
+
+
+def _rope_numpy(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     half = x.shape[-1] // 2
     x1 = x[..., :half].copy()  # [T, heads, hd/2]
     x2 = x[..., half:]
@@ -80,6 +119,11 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     """SwiGLU activation: silu(gate) * up, with gate_up = [gate | up] along the last axis."""
     # gate_up: [T, 2F] -> [T, F]; sigmoid(g) = 0.5 * (1 + tanh(g / 2)) cannot overflow, unlike 1 / (1 + exp(-g))
     f = gate_up.shape[1] // 2
+    if _C is not None:  # g / (1 + exp(-g)) with exp's argument clamped: no overflow either
+        gate_up = np.ascontiguousarray(gate_up, dtype=np.float32)
+        out = np.empty((gate_up.shape[0], f), dtype=np.float32)  # [T, F]
+        _C.silu_mul(gate_up, out, gate_up.shape[0], f)
+        return out
     gate, up = gate_up[:, :f], gate_up[:, f:]
     return gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up
 

@@ -28,8 +28,9 @@ from service.engine.runners.kernels import (
     rope_tables,
     silu_mul,
     use_quant_threads,
+    write_kv,
 )
-from service.engine.runners.paged_attention import HAVE_NUMBA, DecodeAttention
+from service.engine.runners.paged_attention import HAVE_COMPILED, DecodeAttention
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +39,10 @@ logger = logging.getLogger(__name__)
 class AttentionPlan:
     """How one step's attention is split, worked out once per step and reused by every layer."""
 
-    decode_seqs: list[int]  # sequences with a single new token: the compiled paged kernel
+    decode_seqs: list[int]  # sequences with a single new token: the compiled paged kernel (C, else numba)
     decode_tokens: np.ndarray  # [Bd] their token rows in the flat batch
     decode_inputs: tuple | None  # DecodeAttention.prepare() of their block tables
-    other_seqs: list[int]  # prefill chunks: numpy causal attention over gathered blocks
+    other_seqs: list[int]  # prefill chunks: causal attention over gathered blocks (C, else numpy)
 
 
 Matrix = np.ndarray | PackedMatrix  # fp32 [out, in], or quantized blocks (build_engine/packing.py)
@@ -66,7 +67,7 @@ class NumpyRunner:
         engine_dir: str | Path,
         num_kv_blocks: int,
         config: EngineConfig | None = None,
-        compiled_attention: bool = HAVE_NUMBA,
+        compiled_attention: bool = HAVE_COMPILED,
     ) -> None:
         self.config = config or load_engine_config(engine_dir)
         arch = self.config.arch
@@ -115,8 +116,6 @@ class NumpyRunner:
         # token_ids, positions, slot_mapping: [T]
         T = batch.num_tokens
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        cos = self.rope[0, batch.positions][:, None, :]  # [T, 1, hd/2]
-        sin = self.rope[1, batch.positions][:, None, :]  # [T, 1, hd/2]
         plan = self._plan(batch)
         x = embedding_rows(self.embed, batch.token_ids)  # [T, D] residual stream (a copy)
         for layer, w in enumerate(self.layers):
@@ -125,21 +124,20 @@ class NumpyRunner:
             qkv = linear(h, w.qkv).reshape(T, H + 2 * KV, hd)  # [T, H + 2KV, hd]
             if w.q_scale is not None:
                 qkv[:, :H] *= w.q_scale
-            apply_rope(qkv[:, : H + KV], cos, sin)  # rotate Q and K heads together, in place
-            self._write_kv(layer, qkv[:, H : H + KV], qkv[:, H + KV :], batch.slot_mapping)
+            apply_rope(qkv, self.rope, batch.positions, H + KV)  # rotate Q and K heads together, in place
+            self._write_kv(layer, qkv, batch.slot_mapping)
             attn = self._attention(layer, qkv[:, :H], batch, plan)  # [T, H * hd]
             x += linear(attn, w.o)  # [T, D]
             # feed-forward block
             h = rms_normalize(x, self.eps, w.ffn_norm)  # [T, D]
             x += linear(silu_mul(linear(h, w.gate_up)), w.down)  # [T, 2F] -> [T, F] -> [T, D]
         last = x[batch.query_start_loc[1:][batch.logits_seqs] - 1]  # [S, D] last new token of each sampled seq
-        h = rms_normalize(last, self.eps) * self.final_norm  # [S, D]
+        h = rms_normalize(last, self.eps, self.final_norm)  # [S, D]
         return linear(h, self.lm_head)  # [S, V]
 
-    def _write_kv(self, layer: int, k: np.ndarray, v: np.ndarray, slot_mapping: np.ndarray) -> None:
-        # k, v: [T, KV, hd]; the cache viewed as [num_blocks * block_size, KV, hd] is indexed by slot
-        self.k_cache[layer].reshape(-1, self.n_kv_heads, self.head_dim)[slot_mapping] = k
-        self.v_cache[layer].reshape(-1, self.n_kv_heads, self.head_dim)[slot_mapping] = v
+    def _write_kv(self, layer: int, qkv: np.ndarray, slot_mapping: np.ndarray) -> None:
+        # qkv: [T, H + 2KV, hd]; slot = block_id * block_size + offset in the layer's cache
+        write_kv(self.k_cache[layer], self.v_cache[layer], qkv, slot_mapping, self.n_heads)
 
     def _plan(self, batch: ForwardBatch) -> AttentionPlan:
         lens = np.diff(batch.query_start_loc)  # [B] new tokens per sequence

@@ -1,11 +1,12 @@
-"""Decode attention that reads the paged KV cache in place (a numba kernel), split across two threads.
+"""Decode attention that reads the paged KV cache in place: the C kernel where the extension is built, else numba.
 
 A per-sequence numpy loop spends most of a large decode step gathering blocks into contiguous copies and
-calling tiny BLAS kernels (docs/benchmarks.md). This kernel walks each sequence's block table directly.
-It is single-threaded numba: OpenMP (parallel) numba kernels stall next to OpenBLAS's threads by ~8 ms a call,
-and splitting it over two Python threads measured no faster inside a real step, where OpenBLAS's worker
-thread is still spinning on the other core after the preceding GEMM.
-If numba is not installed, the runner falls back to the numpy path (HAVE_NUMBA is False).
+calling tiny BLAS kernels (docs/benchmarks.md). These kernels walk each sequence's block table directly.
+The C one (service/engine/quant/_kernels.c: decode_attention) splits (sequence, KV head) tasks over the kernels'
+pool in quantized engines and runs on the calling thread next to OpenBLAS's pool (runners/kernels.py:
+attention_threads); the query heads of one KV head share every K/V load. The numba one is single-threaded:
+OpenMP (parallel) numba kernels stall next to OpenBLAS's threads by ~8 ms a call.
+Without either, the runner falls back to the numpy path (HAVE_COMPILED is False).
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from service.engine.quant import kernels as quant
+from service.engine.runners.kernels import attention_threads
 
 try:
     from numba import njit
@@ -23,6 +27,9 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
 
     def njit(*args, **kwargs):  # type: ignore[no-redef]
         return lambda fn: fn
+
+
+HAVE_COMPILED = HAVE_NUMBA or quant.extension() is not None
 
 
 @njit(cache=True, fastmath=True, nogil=True)
@@ -76,7 +83,16 @@ def _decode_attention(q, k_cache, v_cache, tables, table_starts, seq_lens, out):
 
 
 class DecodeAttention:
-    """Single-query attention for many sequences at once; the per-step inputs are prepared once per step."""
+    """Single-query attention for many sequences at once; the per-step inputs are prepared once per step.
+
+    use_c: the C kernel (default where the extension is built), else the numba one."""
+
+    def __init__(self, use_c: bool | None = None) -> None:
+        self._c = quant.extension() if use_c or use_c is None else None
+        if use_c and self._c is None:
+            raise RuntimeError("the compiled kernels extension is not built")
+        if self._c is None and not HAVE_NUMBA:
+            raise RuntimeError("neither the compiled kernels extension nor numba is available")
 
     @staticmethod
     def prepare(block_tables: list[np.ndarray], seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -90,6 +106,12 @@ class DecodeAttention:
         """q: [B, H, hd] -> [B, H, hd]."""
         tables, starts, lens = prepared
         q = np.ascontiguousarray(q)
-        out = np.empty_like(q)
-        _decode_attention(q, k_layer, v_layer, tables, starts, lens, out)
+        out = np.empty_like(q)  # [B, H, hd]
+        if self._c is not None:
+            B, H, hd = q.shape
+            nb, bs, kv, _ = k_layer.shape
+            self._c.decode_attention(q, k_layer, v_layer, tables, starts, lens, out, B, H, kv, hd, bs, nb,
+                                     attention_threads())  # fmt: skip
+        else:
+            _decode_attention(q, k_layer, v_layer, tables, starts, lens, out)
         return out
