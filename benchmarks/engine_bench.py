@@ -25,6 +25,7 @@ from benchmarks.common import gemm_gflops, machine_line, publish, read_bandwidth
 from build_engine.spec import load_engine_config
 from service.engine.runners import numpy_runner
 from service.engine.runners.base import ForwardBatch, SeqChunk
+from service.engine.runners.kernels import use_blas_threads
 from service.engine.runners.numpy_runner import NumpyRunner
 
 CATEGORIES = ("matmuls", "attention", "norms/RoPE/SiLU", "LM head", "other (embedding, Python)")
@@ -111,6 +112,7 @@ def decode_run(runner: NumpyRunner, prompt: list[int], steps: int) -> list[float
 
 
 def breakdown(runner: NumpyRunner, fn: Callable[[], object]) -> dict[str, float]:
+    runner.bind_threads()
     with KernelTimer(runner) as timer:
         start = time.perf_counter()
         fn()
@@ -135,6 +137,7 @@ class EngineRun:
 
 
 def _measure_round(run: EngineRun, prompt: list[int], short: list[int], steps: int) -> None:
+    run.runner.bind_threads()  # this engine's thread setup (packed: own pool + 1-thread BLAS; fp32: BLAS threads)
     start = time.perf_counter()
     prefill_once(run.runner, prompt)
     run.prefill_s.append(time.perf_counter() - start)
@@ -179,6 +182,7 @@ def main() -> None:
     gguf = _gguf_of(runs[0].runner)
 
     print("measuring ceilings ...", file=sys.stderr)
+    use_blas_threads()  # the ceilings on BLAS's default threads (loading a packed engine set it to 1)
     gemm = gemm_gflops(args.runs)
     bw = read_bandwidth_gbs(args.runs)
     bandwidth = max(bw.values())

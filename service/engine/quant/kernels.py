@@ -191,6 +191,12 @@ def _openblas_lib():
     return _OPENBLAS[0]
 
 
+# OpenBLAS's own choice at start-up (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS, else the CPU count)
+DEFAULT_BLAS_THREADS = int(os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or 0) or (
+    os.cpu_count() or 1
+)
+
+
 def openblas_threads(n: int) -> bool:
     """Set numpy's OpenBLAS thread count; False if numpy's BLAS is not a findable OpenBLAS."""
     setter = _openblas_lib()

@@ -86,6 +86,12 @@ def use_quant_threads() -> None:
     _ATTENTION_THREADS[0] = 0
 
 
+def use_blas_threads() -> None:
+    """fp32 engines: OpenBLAS on its default threads, the compiled attention on the calling thread."""
+    quant.openblas_threads(quant.DEFAULT_BLAS_THREADS)
+    _ATTENTION_THREADS[0] = 1
+
+
 def rope_tables(max_positions: int, head_dim: int, theta: float, freq_factors: np.ndarray | None) -> np.ndarray:
     """cos and sin for every position: [2, max_positions, head_dim // 2] float32 (computed in float64)."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [hd/2]

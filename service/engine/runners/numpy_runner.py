@@ -27,6 +27,7 @@ from service.engine.runners.kernels import (
     rms_normalize,
     rope_tables,
     silu_mul,
+    use_blas_threads,
     use_quant_threads,
     write_kv,
 )
@@ -94,8 +95,8 @@ class NumpyRunner:
             q_scale = None if norms[0] is None or folded.get(p + "qkv", False) else scale
             mats = (matrix(p + n) for n in ("qkv", "o", "gate_up", "down"))
             self.layers.append(LayerWeights(*mats, *norms, q_scale))
-        if packed:
-            use_quant_threads()
+        self.packed = bool(packed)
+        self.bind_threads()
         factors = w.get("rope_freq_factors") if arch.rope_freq_factors else None
         self.rope = rope_tables(self.config.limits.max_seq_len, arch.head_dim, arch.rope_theta, factors)  # [2, P, hd/2]
         kv_shape = (arch.num_hidden_layers, num_kv_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
@@ -105,6 +106,14 @@ class NumpyRunner:
         logger.info(
             "KV cache: %d blocks x %d tokens, %.1f MiB", num_kv_blocks, self.block_size, 2 * self.k_cache.nbytes / 2**20
         )
+
+    def bind_threads(self) -> None:
+        """Set the process's thread pools for this engine's weights (the constructor does; a process that runs
+        several engines in turn, like the benchmarks, calls it before each)."""
+        if self.packed:
+            use_quant_threads()
+        else:
+            use_blas_threads()
 
     @staticmethod
     def kv_bytes_per_block(config: EngineConfig) -> int:
@@ -150,8 +159,10 @@ class NumpyRunner:
 
     def _attention(self, layer: int, q: np.ndarray, batch: ForwardBatch, plan: AttentionPlan) -> np.ndarray:
         # q: [T, H, hd] -> [T, H * hd]
-        out = np.empty((batch.num_tokens, self.n_heads * self.head_dim), dtype=np.float32)
         k_layer, v_layer = self.k_cache[layer], self.v_cache[layer]  # [num_blocks, block_size, KV, hd]
+        if not plan.other_seqs:  # a pure decode step: every token is its sequence's one query, in order
+            return self.decode_attention(q, k_layer, v_layer, plan.decode_inputs).reshape(batch.num_tokens, -1)
+        out = np.empty((batch.num_tokens, self.n_heads * self.head_dim), dtype=np.float32)
         if plan.decode_seqs:
             rows = plan.decode_tokens
             out[rows] = self.decode_attention(q[rows], k_layer, v_layer, plan.decode_inputs).reshape(len(rows), -1)
