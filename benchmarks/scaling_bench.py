@@ -5,7 +5,8 @@
 - prefill tok/s against prompt length (128 .. 4096): EngineCore with its real chunked prefill (max_num_tokens
   per step), time to the first token of one request;
 - TPOT against context length (128 .. 4096) at batch 1 and 16: the model runner's decode step over B sequences
-  whose KV already holds `context` tokens each (median of 8 steps);
+  whose KV already holds `context` tokens each (random values: the time does not depend on them; median of 8
+  steps);
 against the fp32 GEMM rate (prefill) and the bandwidth roofline of the bytes a step reads (decode).
 Plots: docs/img/scaling/. Engines need max_seq_len >= the longest length (build with --max-seq-len 8192).
 """
@@ -58,13 +59,14 @@ def decode_curve(engine: str, contexts: tuple[int, ...], batch: int, steps: int 
     per_seq = -(-(max(contexts) + steps) // bs)
     runner = NumpyRunner(engine, num_kv_blocks=batch * per_seq, config=cfg)
     rng = np.random.default_rng(1)
+    # The KV arrays hold random values, not a prefill's: a step's time does not depend on them, and prefilling
+    # 16 x 4096 tokens per context would take most of the benchmark's time.
+    for cache in (runner.k_cache, runner.v_cache):  # [L, num_blocks, block_size, KV, hd]
+        for layer in cache:
+            layer[...] = rng.standard_normal(layer.shape, dtype=np.float32)
+    tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     out = {}
     for ctx in contexts:
-        tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
-        for table in tables:  # fill each sequence's KV in chunks of the engine's step size (not timed)
-            for start in range(0, ctx, cfg.limits.max_num_tokens):
-                ids = rng.integers(100, cfg.arch.vocab_size, size=min(cfg.limits.max_num_tokens, ctx - start))
-                runner.execute(ForwardBatch.from_chunks([SeqChunk(ids.tolist(), start, table)], bs))
         times = []
         for s in range(steps):
             chunks = [SeqChunk([int(rng.integers(100, 1000))], ctx + s, t) for t in tables]
@@ -152,7 +154,8 @@ def main() -> None:
             f"| {n} | " + " | ".join(f"{n / v[n][0]:.0f} ({v[n][1] / gemm:.2f}x)" for v in prefill.values()) + " |"
         )
     for b in BATCHES:
-        lines += ["", f"Decode step at batch {b}, ms (x the roofline of the bytes read: weights + {b} x KV):", "",
+        lines += ["", f"Decode step at batch {b} (the model runner; KV holding random values), ms (x the roofline "
+                  f"of the bytes read: weights + {b} x KV):", "",
                   "| Context | " + " | ".join(decode[b]) + " |", "|---|" + "---|" * len(decode[b])]  # fmt: skip
         for c in lengths:
             cells = []
