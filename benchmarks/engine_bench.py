@@ -25,7 +25,6 @@ from benchmarks.common import gemm_gflops, machine_line, publish, read_bandwidth
 from build_engine.spec import load_engine_config
 from service.engine.runners import numpy_runner
 from service.engine.runners.base import ForwardBatch, SeqChunk
-from service.engine.runners.kernels import use_blas_threads
 from service.engine.runners.numpy_runner import NumpyRunner
 
 CATEGORIES = ("matmuls", "attention", "norms/RoPE/SiLU", "LM head", "other (embedding, Python)")
@@ -182,7 +181,6 @@ def main() -> None:
     gguf = _gguf_of(runs[0].runner)
 
     print("measuring ceilings ...", file=sys.stderr)
-    use_blas_threads()  # the ceilings on BLAS's default threads (loading a packed engine set it to 1)
     gemm = gemm_gflops(args.runs)
     bw = read_bandwidth_gbs(args.runs)
     bandwidth = max(bw.values())

@@ -143,3 +143,18 @@ def test_kernel_backends_agree_and_rows_lookup(tmp_path: Path) -> None:
         assert _rel_err(fallback, ref) <= 1e-6
     ids = np.array([0, 5, 31, 32, 266])
     np.testing.assert_array_equal(dequantize_rows(runner.embed, ids), dequantize_packed(runner.embed)[ids])
+
+
+def test_ceilings_are_measured_on_default_blas_threads() -> None:
+    """A packed engine sets OpenBLAS to 1 thread; the machine's GEMM ceiling must not be measured on that."""
+    _, getter = kernels._openblas_lib()
+    if getter is None:
+        pytest.skip("numpy's BLAS is not a findable OpenBLAS")
+    before = int(getter())
+    try:
+        kernels.openblas_threads(1)
+        with kernels.default_blas_threads():
+            assert int(getter()) == kernels.DEFAULT_BLAS_THREADS
+        assert int(getter()) == 1  # the engine's setting is back
+    finally:
+        kernels.openblas_threads(before)

@@ -19,9 +19,11 @@ at 1 thread (openblas_threads(1)); switch BLAS to 2 threads only around long pre
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -170,24 +172,22 @@ _OPENBLAS: list = []
 
 
 def _openblas_lib():
+    """(set_num_threads, get_num_threads) of numpy's OpenBLAS, or (None, None)."""
     if not _OPENBLAS:
-        lib = setter = None
+        found = (None, None)
         libs_dir = os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs")
         for path in glob.glob(os.path.join(libs_dir, "libscipy_openblas*.so")) + glob.glob(
             os.path.join(libs_dir, "libopenblas*.so*")
         ):
             lib = ctypes.CDLL(path)
-            for name in (
-                "scipy_openblas_set_num_threads64_",
-                "scipy_openblas_set_num_threads",
-                "openblas_set_num_threads",
-            ):
-                if hasattr(lib, name):
-                    setter = getattr(lib, name)
+            for prefix, suffix in (("scipy_openblas_", "64_"), ("scipy_openblas_", ""), ("openblas_", "")):
+                setter, getter = (getattr(lib, f"{prefix}{op}_num_threads{suffix}", None) for op in ("set", "get"))
+                if setter is not None:
+                    found = (setter, getter)
                     break
-            if setter is not None:
+            if found[0] is not None:
                 break
-        _OPENBLAS.append(setter)
+        _OPENBLAS.append(found)
     return _OPENBLAS[0]
 
 
@@ -199,11 +199,25 @@ DEFAULT_BLAS_THREADS = int(os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.
 
 def openblas_threads(n: int) -> bool:
     """Set numpy's OpenBLAS thread count; False if numpy's BLAS is not a findable OpenBLAS."""
-    setter = _openblas_lib()
+    setter, _ = _openblas_lib()
     if setter is None:
         return False
     setter(ctypes.c_int(int(n)))
     return True
+
+
+@contextlib.contextmanager
+def default_blas_threads() -> Iterator[None]:
+    """OpenBLAS on its start-up thread count inside the block (the machine's ceilings are measured so, whatever
+    thread setup a loaded engine chose), the previous count restored after it."""
+    _, getter = _openblas_lib()
+    before = int(getter()) if getter is not None else None
+    openblas_threads(DEFAULT_BLAS_THREADS)
+    try:
+        yield
+    finally:
+        if before is not None:
+            openblas_threads(before)
 
 
 __all__ = [
@@ -212,6 +226,7 @@ __all__ = [
     "PackedMatrix",
     "backend",
     "chunk_fields",
+    "default_blas_threads",
     "dequantize_t",
     "matmul",
     "openblas_threads",
