@@ -100,11 +100,16 @@ class NumpyRunner:
         factors = w.get("rope_freq_factors") if arch.rope_freq_factors else None
         self.rope = rope_tables(self.config.limits.max_seq_len, arch.head_dim, arch.rope_theta, factors)  # [2, P, hd/2]
         kv_shape = (arch.num_hidden_layers, num_kv_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
-        self.k_cache = np.zeros(kv_shape, dtype=np.float32)  # [L, num_blocks, block_size, KV, hd]
-        self.v_cache = np.zeros(kv_shape, dtype=np.float32)  # [L, num_blocks, block_size, KV, hd]
+        # Every page is written now: the pool is memory the server has committed to, so it is resident from the
+        # start (a container's memory limit fails at startup, not under load) and RSS stays flat while blocks
+        # are used for the first time (zeros alone would map pages lazily: +KV budget over a soak's first hour).
+        self.k_cache = np.empty(kv_shape, dtype=np.float32)  # [L, num_blocks, block_size, KV, hd]
+        self.v_cache = np.empty(kv_shape, dtype=np.float32)  # [L, num_blocks, block_size, KV, hd]
+        self.k_cache.fill(0.0)
+        self.v_cache.fill(0.0)
         self.decode_attention = DecodeAttention() if compiled_attention else None
         logger.info(
-            "KV cache: %d blocks x %d tokens, %.1f MiB", num_kv_blocks, self.block_size, 2 * self.k_cache.nbytes / 2**20
+            "KV cache: %d blocks x %d tokens, %.1f MiB (resident)", num_kv_blocks, self.block_size, 2 * self.k_cache.nbytes / 2**20
         )
 
     def bind_threads(self) -> None:
