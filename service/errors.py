@@ -22,6 +22,10 @@ class QueueFull(Overloaded):
     """The waiting queue is at its bound (RESOURCE_EXHAUSTED)."""
 
 
+class MessageTooLarge(Exception):
+    """A request message is larger than --max-message-bytes (RESOURCE_EXHAUSTED, as gRPC's own limit)."""
+
+
 class EngineUnavailable(Exception):
     """The backend is starting, draining, stopped or dead (UNAVAILABLE)."""
 

@@ -139,6 +139,16 @@ def test_oversized_chat_is_refused_by_size_before_tokenizing(server: ServerThrea
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in err.value.details()
 
 
+def test_a_message_over_the_byte_limit_is_refused_naming_the_flag(server: ServerThread) -> None:
+    """Over --max-message-bytes: our handler refuses it (naming its size and the flag); far over, gRPC core does."""
+    limit = server.server.cfg.max_message_bytes
+    for size, says in ((limit + 1024, "--max-message-bytes"), (2 * limit + 2**20 + 1024, "larger than max")):
+        with pytest.raises(grpc.RpcError) as err:
+            list(server.stub().Generate(llm_pb2.GenerateRequest(prompt="x" * size)))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and says in err.value.details()
+    assert _tokens(server.stub(), _req())[1].usage.completion_tokens == 16  # and the server serves on
+
+
 def test_slow_tokenization_does_not_block_health(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     tokenizer = server.server.backend.core.tokenizer
     real = tokenizer.encode

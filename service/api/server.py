@@ -23,6 +23,7 @@ from service.api.health import DrainingHealthServicer
 from service.api.interceptors import AuthInterceptor, read_token
 from service.api.metrics import ServiceMetrics
 from service.api.servicer import LLMServicer
+from service.api.validation import transport_limit
 from service.backends import load_backend
 from service.backends.base import Backend
 from service.config import ServerConfig
@@ -52,7 +53,9 @@ class LLMServer:
         self.metrics = ServiceMetrics()
         self.backend: Backend | None = None  # set once loaded and warmed up
         self.health = DrainingHealthServicer()
-        self.servicer = LLMServicer(lambda: self.backend, self.metrics, cfg.max_concurrent_rpcs, cfg.log_prompts)
+        self.servicer = LLMServicer(
+            lambda: self.backend, self.metrics, cfg.max_concurrent_rpcs, cfg.log_prompts, cfg.max_message_bytes
+        )
         self._server: grpc.aio.Server | None = None
         self._triton_server: grpc.aio.Server | None = None
         self.triton_servicer = None  # the Triton front door's servicer, with --triton-port
@@ -112,7 +115,7 @@ class LLMServer:
             interceptors=interceptors,
             options=[
                 ("grpc.so_reuseport", 0),  # gRPC's default would let a second server share the port
-                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_receive_message_length", transport_limit(cfg.max_message_bytes)),  # parse() checks
                 ("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
                 ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from protos.llm.v1 import llm_pb2
 from service.api.metrics import ServiceMetrics
@@ -81,16 +82,22 @@ class LLMServicer:
         metrics: ServiceMetrics,
         max_active_rpcs: int = 1024,
         log_prompts: bool = False,
+        max_message_bytes: int | None = None,
     ) -> None:
         self._backend = backend_getter  # None until the backend has loaded and warmed up
         self.metrics = metrics
         self.max_active_rpcs = max_active_rpcs  # LLM RPCs in flight at most; health and reflection never count
         self.log_prompts = log_prompts
+        self.max_message_bytes = max_message_bytes  # request messages larger than this are RESOURCE_EXHAUSTED
         self.num_active = 0  # LLM RPCs in progress (the drain waits for them)
         self.draining = False  # set on shutdown: new RPCs get UNAVAILABLE
         self.cut = False  # set at the drain timeout: streams still running end with ServerShutdown
         # tokenization and chat rendering run here, never on the event loop (a huge prompt takes seconds)
         self._pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+    def parse(self, message_type: type[Message], raw: bytes) -> Message:
+        """A request message of this server (size-checked, then parsed: service/api/validation.py)."""
+        return parse(message_type, raw, self.max_message_bytes)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -136,7 +143,7 @@ class LLMServicer:
         try:
             with self.slot():
                 backend = self.ready()
-                gen = await self._to_domain(parse(llm_pb2.GenerateRequest, raw), backend)
+                gen = await self._to_domain(self.parse(llm_pb2.GenerateRequest, raw), backend)
                 request_id = gen.request_id
                 if deadline is not None and time.monotonic() >= deadline:
                     raise DeadlineExceeded("the deadline had passed before the request was queued")
@@ -165,7 +172,7 @@ class LLMServicer:
     async def Tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.TokenizeResponse:
         with self.slot():
             backend = self.ready()
-            req = parse(llm_pb2.TokenizeRequest, raw)
+            req = self.parse(llm_pb2.TokenizeRequest, raw)
             limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
             return await self.off_loop(tokenize, req, backend.tokenizer, limits)
 
@@ -173,7 +180,7 @@ class LLMServicer:
     async def GetModelInfo(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.ModelInfo:
         with self.slot():
             backend = self.ready()
-            parse(llm_pb2.GetModelInfoRequest, raw)
+            self.parse(llm_pb2.GetModelInfoRequest, raw)
             return model_info(backend, self.max_active_rpcs)
 
 

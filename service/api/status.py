@@ -14,6 +14,7 @@ from service.errors import (
     EngineError,
     EngineUnavailable,
     InvalidRequest,
+    MessageTooLarge,
     NotFound,
     Overloaded,
     ServerShutdown,
@@ -26,6 +27,7 @@ R = TypeVar("R")
 _CODES = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    MessageTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     NotFound: grpc.StatusCode.NOT_FOUND,

@@ -39,7 +39,7 @@ from service.api.triton.configs import model_config, model_metadata
 from service.api.triton.convert import TritonCall, tensor_names, to_call
 from service.api.triton.models import COUNT_OUTPUTS, MODEL_VERSION, MODELS, PERF_OUTPUTS, ModelSpec
 from service.api.triton.tensors import ResponseBuilder, decode_inputs
-from service.api.validation import REQUEST_ID, TextLimits, parse
+from service.api.validation import REQUEST_ID, TextLimits
 from service.backends.base import Backend
 from service.errors import (
     EngineUnavailable,
@@ -221,24 +221,24 @@ class TritonServicer(GRPCInferenceServiceServicer):
     # ---- health and metadata (unary: errors mapped by status.unary_errors) ---------------------------------------
     @unary_errors
     async def ServerLive(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ServerLiveResponse:
-        parse(service_pb2.ServerLiveRequest, raw)  # the health checks take no RPC slot
+        self.llm.parse(service_pb2.ServerLiveRequest, raw)  # the health checks take no RPC slot
         return service_pb2.ServerLiveResponse(live=True)
 
     @unary_errors
     async def ServerReady(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ServerReadyResponse:
-        parse(service_pb2.ServerReadyRequest, raw)
+        self.llm.parse(service_pb2.ServerReadyRequest, raw)
         return service_pb2.ServerReadyResponse(ready=self._ready())
 
     @unary_errors
     async def ModelReady(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelReadyResponse:
-        req = parse(service_pb2.ModelReadyRequest, raw)
+        req = self.llm.parse(service_pb2.ModelReadyRequest, raw)
         known = req.name in MODELS and req.version in ("", MODEL_VERSION)
         return service_pb2.ModelReadyResponse(ready=known and self._ready())
 
     @unary_errors
     async def ServerMetadata(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ServerMetadataResponse:
         with self.llm.slot():
-            parse(service_pb2.ServerMetadataRequest, raw)
+            self.llm.parse(service_pb2.ServerMetadataRequest, raw)
             return service_pb2.ServerMetadataResponse(
                 name="llm-grpc-serving", version=self.server_version, extensions=list(EXTENSIONS)
             )
@@ -246,13 +246,13 @@ class TritonServicer(GRPCInferenceServiceServicer):
     @unary_errors
     async def ModelMetadata(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelMetadataResponse:
         with self.llm.slot():
-            req = parse(service_pb2.ModelMetadataRequest, raw)
+            req = self.llm.parse(service_pb2.ModelMetadataRequest, raw)
             return model_metadata(self._model(req.name, req.version))
 
     @unary_errors
     async def ModelConfig(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelConfigResponse:
         with self.llm.slot():
-            req = parse(service_pb2.ModelConfigRequest, raw)
+            req = self.llm.parse(service_pb2.ModelConfigRequest, raw)
             spec = self._model(req.name, req.version)
             return service_pb2.ModelConfigResponse(config=model_config(spec, 1, self._parameters(spec)))
 
@@ -280,7 +280,7 @@ class TritonServicer(GRPCInferenceServiceServicer):
         self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> service_pb2.ModelStatisticsResponse:
         with self.llm.slot():
-            req = parse(service_pb2.ModelStatisticsRequest, raw)
+            req = self.llm.parse(service_pb2.ModelStatisticsRequest, raw)
             names = [self._model(req.name, req.version).name] if req.name else list(MODELS)
             resp = service_pb2.ModelStatisticsResponse()
             for name in names:
@@ -301,7 +301,7 @@ class TritonServicer(GRPCInferenceServiceServicer):
         self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> service_pb2.RepositoryIndexResponse:
         with self.llm.slot():
-            parse(service_pb2.RepositoryIndexRequest, raw)
+            self.llm.parse(service_pb2.RepositoryIndexRequest, raw)
             state = "READY" if self._ready() else "UNAVAILABLE"
             resp = service_pb2.RepositoryIndexResponse()
             for name in MODELS:
@@ -368,7 +368,7 @@ class TritonServicer(GRPCInferenceServiceServicer):
         progress = _Progress()
         try:
             with self.llm.slot():
-                req = parse(service_pb2.ModelInferRequest, raw)
+                req = self.llm.parse(service_pb2.ModelInferRequest, raw)
                 model, request_id = req.model_name, req.id or None
                 if self._model(req.model_name, req.model_version).decoupled:
                     raise Unsupported(DECOUPLED_INFER)
@@ -452,7 +452,7 @@ class TritonServicer(GRPCInferenceServiceServicer):
         progress = _Progress()
         try:
             with self.llm.slot():
-                req = parse(service_pb2.ModelInferRequest, raw)
+                req = self.llm.parse(service_pb2.ModelInferRequest, raw)
                 model, client_id = req.model_name, req.id
                 call, backend, empty_final = await self._prepare(req)
                 stream.tasks[me] = client_id

@@ -109,7 +109,10 @@ class NumpyRunner:
         self.v_cache.fill(0.0)
         self.decode_attention = DecodeAttention() if compiled_attention else None
         logger.info(
-            "KV cache: %d blocks x %d tokens, %.1f MiB (resident)", num_kv_blocks, self.block_size, 2 * self.k_cache.nbytes / 2**20
+            "KV cache: %d blocks x %d tokens, %.1f MiB (resident)",
+            num_kv_blocks,
+            self.block_size,
+            2 * self.k_cache.nbytes / 2**20,
         )
 
     def bind_threads(self) -> None:
