@@ -71,3 +71,39 @@ def test_bad_shapes_are_refused() -> None:
         _kernels.attention(q, kv, kv, np.empty((4, 48), np.float32), 4, 2, 3, 1, 16, 1)
     with pytest.raises(ValueError, match="too small"):
         _kernels.attention(q, kv, kv, np.empty((4, 48), np.float32), 4, 8, 3, 1, 16, 1)
+
+
+@pytest.mark.parametrize("lens", [(1500,), (2000, 300), (700, 513, 64)], ids=str)
+def test_split_key_decode_attention_equals_float64(lens: tuple[int, ...]) -> None:
+    """Few sequences with long contexts take the split-K path on the pool (partials combined); short ones and
+    1-thread calls do not: all must equal a float64 softmax over the same paged keys."""
+    from service.engine.runners.kernels import attention_threads, use_blas_threads, use_quant_threads
+    from service.engine.runners.paged_attention import DecodeAttention
+
+    if quant.extension() is None:
+        pytest.skip("the compiled kernels extension is not built")
+    rng = np.random.default_rng(len(lens))
+    H, KV, hd, bs = 9, 3, 64, 16  # SmolLM2's heads
+    tables = [rng.permutation(200)[: -(-n // bs)] + 0 for n in lens]
+    k = rng.standard_normal((200, bs, KV, hd), dtype=np.float32)
+    v = rng.standard_normal((200, bs, KV, hd), dtype=np.float32)
+    q = rng.standard_normal((len(lens), H, hd), dtype=np.float32) * 0.3
+    prepared = DecodeAttention.prepare([t.astype(np.int64) for t in tables], np.array(lens))
+    before = attention_threads()
+    try:
+        results = []
+        for setup in (use_quant_threads, use_blas_threads):  # the pool (split-K), then the calling thread
+            setup()
+            results.append(DecodeAttention(use_c=True)(q, k, v, prepared))
+    finally:
+        (use_quant_threads if before == 0 else use_blas_threads)()
+    for b, n in enumerate(lens):
+        slots = np.concatenate([np.arange(bs) + blk * bs for blk in tables[b]])[:n]
+        kb = k.reshape(-1, KV, hd)[slots].astype(np.float64)  # [n, KV, hd]
+        vb = v.reshape(-1, KV, hd)[slots].astype(np.float64)
+        for h in range(H):
+            s = kb[:, h // (H // KV)] @ q[b, h].astype(np.float64)
+            p = np.exp(s - s.max())
+            ref = (p / p.sum()) @ vb[:, h // (H // KV)]
+            for out in results:
+                assert np.abs(out[b, h] - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max()), (b, h)
