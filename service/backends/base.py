@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from build_engine import spec
 from service.limits import RequestLimits
 from service.request import GenerateRequest, RequestOutput
 from service.telemetry import BackendStats, Observer
@@ -44,6 +45,25 @@ class BackendInfo:
     num_key_value_heads: int
     engine_format_version: int
     not_reported: tuple[str, ...] = ()  # what this backend cannot report (GetModelInfo says so)
+
+    @classmethod
+    def of_engine(cls, config: spec.EngineConfig, backend: str, **limits: object) -> BackendInfo:
+        """The fields every backend reads from the engine directory's config (model, architecture, EOS ids,
+        format version); `limits` are the backend's own (max_seq_len, batch and KV limits, dtype, ...)."""
+        a = config.arch
+        return cls(
+            backend=backend,
+            model_name=config.model_name,
+            architecture=a.architecture,
+            vocab_size=a.vocab_size,
+            eos_token_ids=tuple(config.tokenizer.eos_token_ids),
+            num_layers=a.num_hidden_layers,
+            hidden_size=a.hidden_size,
+            num_attention_heads=a.num_attention_heads,
+            num_key_value_heads=a.num_key_value_heads,
+            engine_format_version=spec.FORMAT_VERSION,
+            **limits,
+        )
 
     @property
     def limits(self) -> RequestLimits:

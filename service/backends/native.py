@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
-from build_engine import spec
 from service.backends.base import BackendInfo
 from service.config import BackendConfig
 from service.engine.async_engine import AsyncEngine
@@ -64,12 +63,10 @@ class NativeBackend:
 
 
 def _info(core: EngineCore, max_queue: int) -> BackendInfo:
-    cfg, arch, sched = core.config, core.config.arch, core.sched_cfg
-    return BackendInfo(
-        backend="native",
-        model_name=cfg.model_name,
-        architecture=arch.architecture,
-        vocab_size=arch.vocab_size,
+    cfg, sched = core.config, core.sched_cfg
+    return BackendInfo.of_engine(
+        cfg,
+        "native",
         max_seq_len=sched.max_seq_len,
         max_batch_size=sched.max_num_seqs,
         max_num_tokens=sched.max_num_batched_tokens,
@@ -78,11 +75,5 @@ def _info(core: EngineCore, max_queue: int) -> BackendInfo:
         dtype=cfg.limits.dtype,
         weight_format=cfg.weight_format,
         prefix_caching=sched.enable_prefix_caching,
-        eos_token_ids=tuple(cfg.tokenizer.eos_token_ids),
         max_queue=max_queue,
-        num_layers=arch.num_hidden_layers,
-        hidden_size=arch.hidden_size,
-        num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_key_value_heads,
-        engine_format_version=spec.FORMAT_VERSION,
     )

@@ -230,12 +230,10 @@ class TritonBackend(BackendRuntime):
             return False, str(exc.message() or exc)
 
     def _info(self, remote: Any) -> BackendInfo:
-        c, a = self.config, self.config.arch
-        return BackendInfo(
-            backend="triton",
-            model_name=c.model_name,
-            architecture=a.architecture,
-            vocab_size=a.vocab_size,
+        c = self.config
+        return BackendInfo.of_engine(
+            c,
+            "triton",
             max_seq_len=c.limits.max_seq_len,
             max_batch_size=remote.max_batch_size or c.limits.max_batch_size,
             max_num_tokens=c.limits.max_num_tokens,
@@ -246,13 +244,7 @@ class TritonBackend(BackendRuntime):
             prefix_caching=remote.parameters["enable_kv_cache_reuse"].string_value.lower() == "true"
             if "enable_kv_cache_reuse" in remote.parameters
             else False,
-            eos_token_ids=tuple(c.tokenizer.eos_token_ids),
             max_queue=self.admission.max_queue,
-            num_layers=a.num_hidden_layers,
-            hidden_size=a.hidden_size,
-            num_attention_heads=a.num_attention_heads,
-            num_key_value_heads=a.num_key_value_heads,
-            engine_format_version=spec.FORMAT_VERSION,
             not_reported=NOT_REPORTED[self.model],
         )
 

@@ -212,12 +212,10 @@ class TrtllmBackend(BackendRuntime):
         )
 
     def _info(self) -> BackendInfo:
-        c, a, s = self.config, self.config.arch, self.settings
-        return BackendInfo(
-            backend="trtllm",
-            model_name=c.model_name,
-            architecture=a.architecture,
-            vocab_size=a.vocab_size,
+        c, s = self.config, self.settings
+        return BackendInfo.of_engine(
+            c,
+            "trtllm",
             max_seq_len=c.limits.max_seq_len,
             max_batch_size=self.cfg.max_num_seqs or c.limits.max_batch_size,
             max_num_tokens=self.cfg.max_num_tokens or c.limits.max_num_tokens,
@@ -226,13 +224,7 @@ class TrtllmBackend(BackendRuntime):
             dtype=s.get("dtype", c.limits.dtype),
             weight_format=_weight_format(s.get("dtype", c.limits.dtype), s.get("weight_only", "none")),
             prefix_caching=self.cfg.prefix_caching,
-            eos_token_ids=tuple(c.tokenizer.eos_token_ids),
             max_queue=self.admission.max_queue,
-            num_layers=a.num_hidden_layers,
-            hidden_size=a.hidden_size,
-            num_attention_heads=a.num_attention_heads,
-            num_key_value_heads=a.num_key_value_heads,
-            engine_format_version=spec.FORMAT_VERSION,
         )
 
     @property
