@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.llm.v1 import llm_pb2_grpc
+from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 from service.api.server import LLMServer
 from service.config import BackendConfig, NativeConfig, ServerConfig, replace_path
 
@@ -51,6 +51,20 @@ class ServerThread:
         backend = self.server.backend
         return backend.core if hasattr(backend, "core") else backend.executor.core
 
+    def idle(self, within: float = 5.0) -> bool:
+        """True once, within `within` s, no request is in flight and a native engine (the backend's, or the one
+        inside the TensorRT-LLM double) has no request and no KV block left; a Triton backend has none here."""
+        deadline = time.monotonic() + within
+        backend = self.server.backend
+        while time.monotonic() < deadline:
+            core = getattr(backend, "core", None) or getattr(getattr(backend, "executor", None), "core", None)
+            if backend.num_in_flight == 0 and (
+                core is None or (not core.scheduler.requests and core.kv.pool.num_used_blocks == 0)
+            ):
+                return True
+            time.sleep(0.02)
+        return False
+
     def break_engine(self) -> None:
         """Make the engine fail the way each backend fails: a step raising, or the executor dying."""
         backend = self.server.backend
@@ -81,6 +95,23 @@ class ServerThread:
         if m is None:
             raise KeyError(f"{name}{{{labels}}} not in the exposition")
         return float(m.group(1))
+
+
+def generate(stub: llm_pb2_grpc.LLMServiceStub, req: llm_pb2.GenerateRequest, **kw):
+    """One Generate stream: (chunks, the final Complete or None); a chunk after the final message, or two final
+    messages, fail the test."""
+    chunks, complete = [], None
+    for resp in stub.Generate(req, **kw):
+        assert complete is None, "a message after the final one"
+        if resp.HasField("chunk"):
+            chunks.append(resp.chunk)
+        else:
+            complete = resp.complete
+    return chunks, complete
+
+
+def ids_and_text(chunks) -> tuple[list[int], str]:
+    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks)
 
 
 # flat test-friendly names -> where they live in ServerConfig

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.llm.v1 import llm_pb2
 from tests.engines import build_tiny
-from tests.servers import ServerThread, make_config, running_server
+from tests.servers import ServerThread, generate, ids_and_text, make_config, running_server
 
 VOCAB = 267
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -48,13 +48,8 @@ def _req(prompt: str = "Hello there", max_tokens: int = 16, **kw) -> llm_pb2.Gen
 
 
 def _tokens(stub, req, **kw) -> tuple[list[int], llm_pb2.Complete]:
-    ids, complete = [], None
-    for resp in stub.Generate(req, **kw):
-        if resp.HasField("chunk"):
-            ids += resp.chunk.token_ids
-        else:
-            complete = resp.complete
-    return ids, complete
+    chunks, complete = generate(stub, req, **kw)
+    return ids_and_text(chunks)[0], complete
 
 
 def _health(server: ServerThread, timeout: float = 2.0) -> int:
@@ -63,14 +58,7 @@ def _health(server: ServerThread, timeout: float = 2.0) -> int:
 
 
 def _wait_idle(server: ServerThread, within: float = 3.0) -> None:
-    deadline = time.monotonic() + within
-    engine = server.server.backend
-    while time.monotonic() < deadline:
-        core = engine.core
-        if not core.scheduler.requests and core.kv.pool.num_used_blocks == 0 and engine.num_in_flight == 0:
-            return
-        time.sleep(0.02)
-    raise AssertionError("requests or KV blocks left behind")
+    assert server.idle(within), "requests or KV blocks left behind"
 
 
 # ---- 1. token ids are checked against the vocabulary; the engine survives ------------------------------------

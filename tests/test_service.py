@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 from service.request import MAX_LOGPROBS
 from tests.engines import build_tiny
-from tests.servers import ServerThread, make_config, running_server
+from tests.servers import ServerThread, generate, make_config, running_server
 from tests.trtllm_double import installed
 
 VOCAB = 267
@@ -57,14 +57,7 @@ def _req(prompt: str = "Hello there", max_tokens: int = 16, **kw) -> llm_pb2.Gen
 
 
 def _collect(stub, req, **kw) -> tuple[list[llm_pb2.Chunk], llm_pb2.Complete]:
-    chunks, complete = [], None
-    for resp in stub.Generate(req, **kw):
-        if resp.HasField("chunk"):
-            assert complete is None, "a chunk after the final message"
-            chunks.append(resp.chunk)
-        else:
-            assert complete is None, "two final messages"
-            complete = resp.complete
+    chunks, complete = generate(stub, req, **kw)
     assert complete is not None
     return chunks, complete
 

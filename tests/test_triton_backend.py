@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.llm.v1 import llm_pb2
 from service.errors import BackendLoadError
 from tests.engines import build_tiny
-from tests.servers import ServerThread, free_port, make_config, running_server
+from tests.servers import ServerThread, free_port, generate, make_config, running_server
 
 VARIED = {"temperature": 10.0, "seed": 11}  # the tiny model's greedy text repeats one character
 
@@ -58,24 +58,7 @@ def _b_kw(a: ServerThread, model: str) -> dict:
 
 def _gen(srv: ServerThread, timeout: float = 30, **fields) -> tuple[list[llm_pb2.Chunk], llm_pb2.Complete]:
     fields.setdefault("stopping", llm_pb2.StoppingParams(max_tokens=24, ignore_eos=True))
-    chunks, complete = [], None
-    for resp in srv.stub().Generate(llm_pb2.GenerateRequest(**fields), timeout=timeout):
-        if resp.HasField("chunk"):
-            chunks.append(resp.chunk)
-        else:
-            complete = resp.complete
-    return chunks, complete
-
-
-def _idle(srv: ServerThread, within: float = 5.0) -> bool:
-    deadline = time.monotonic() + within
-    backend = srv.server.backend
-    while time.monotonic() < deadline:
-        native = getattr(backend, "core", None)
-        if backend.num_in_flight == 0 and (native is None or native.kv.pool.num_used_blocks == 0):
-            return True
-        time.sleep(0.02)
-    return False
+    return generate(srv.stub(), llm_pb2.GenerateRequest(**fields), timeout=timeout)
 
 
 REQUESTS = {
@@ -110,7 +93,7 @@ def test_generate_on_b_equals_generate_on_a(a: ServerThread, b: ServerThread) ->
         assert done_b.finish_reason == done_a.finish_reason == llm_pb2.FINISH_REASON_LENGTH, name
         assert done_b.timing.source == llm_pb2.TIMING_SOURCE_ENGINE  # A's times, through *_time_ns
         assert 0 < done_b.timing.ttft_ms <= done_b.timing.e2e_ms
-    assert _idle(a) and _idle(b)
+    assert a.idle() and b.idle()
 
 
 def test_stops_are_the_same_on_b(a: ServerThread, b: ServerThread) -> None:
@@ -134,7 +117,7 @@ def test_stops_are_the_same_on_b(a: ServerThread, b: ServerThread) -> None:
         chunks_b, done_b = _gen(b, **by_id)
         assert [t for c in chunks_b for t in c.token_ids] == [t for c in chunks_a for t in c.token_ids]
         assert done_b.stop_token_id == done_a.stop_token_id == ids[5]
-    assert _idle(a) and _idle(b)
+    assert a.idle() and b.idle()
 
 
 def test_b_reports_what_it_cannot_do(b: ServerThread) -> None:
@@ -164,7 +147,7 @@ def test_cancelling_on_b_frees_the_kv_blocks_of_a(a: ServerThread, b: ServerThre
     assert a.server.backend.core.kv.pool.num_used_blocks > 0 and a.server.backend.num_in_flight == 12
     for call in calls:
         call.cancel()
-    assert _idle(b) and _idle(a)  # cancelled through to A's engine: every block back within seconds
+    assert b.idle() and a.idle()  # cancelled through to A's engine: every block back within seconds
 
 
 def test_no_thread_is_left_behind(a: ServerThread, b: ServerThread) -> None:
@@ -182,7 +165,7 @@ def test_no_thread_is_left_behind(a: ServerThread, b: ServerThread) -> None:
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(one, range(40)))
-    assert _idle(b) and _idle(a)
+    assert b.idle() and a.idle()
     deadline = time.monotonic() + 5
     while threading.active_count() > before + 4 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -243,7 +226,7 @@ def test_streams_in_flight_fail_cleanly_when_a_dies(engine_dir: Path) -> None:
                 list(call)
             codes.add(err.value.code())
         assert codes <= {grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED}  # they had streamed tokens
-        assert _idle(b)
+        assert b.idle()
     finally:
         b.stop()
         a.stop()

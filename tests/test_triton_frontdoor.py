@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 from protos.llm.v1 import llm_pb2
 from service.api.triton.models import MODELS
 from tests.engines import build_tiny
-from tests.servers import ServerThread, make_config, running_server
+from tests.servers import ServerThread, generate, ids_and_text, make_config, running_server
 from tests.triton_clients import Streamer, inputs, stream_once, tensor
 
 PROMPTS = ("Hello there", "The capital of France is", "Once upon a time, in a land", "1, 2, 3, 4,")
@@ -41,17 +41,7 @@ def server(engine_dir: Path):
 @pytest.fixture
 def url(server: ServerThread) -> str:
     yield f"127.0.0.1:{server.server.triton_port}"
-    assert _idle(server), "a request is still in flight or holds KV blocks"
-
-
-def _idle(server: ServerThread, within: float = 5.0) -> bool:
-    deadline = time.monotonic() + within
-    backend = server.server.backend
-    while time.monotonic() < deadline:
-        if backend.num_in_flight == 0 and backend.core.kv.pool.num_used_blocks == 0:
-            return True
-        time.sleep(0.02)
-    return False
+    assert server.idle(), "a request is still in flight or holds KV blocks"
 
 
 def _llm(server: ServerThread, prompt: str, max_tokens: int, **sampling) -> tuple[str, list[int], llm_pb2.Complete]:
@@ -60,13 +50,8 @@ def _llm(server: ServerThread, prompt: str, max_tokens: int, **sampling) -> tupl
         sampling=llm_pb2.SamplingParams(**({"temperature": 0} | sampling)),
         stopping=llm_pb2.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
     )
-    text, ids, complete = "", [], None
-    for resp in server.stub().Generate(req, timeout=60):
-        if resp.HasField("chunk"):
-            text += resp.chunk.text
-            ids += resp.chunk.token_ids
-        else:
-            complete = resp.complete
+    chunks, complete = generate(server.stub(), req, timeout=60)
+    ids, text = ids_and_text(chunks)
     return text, ids, complete
 
 
@@ -152,7 +137,7 @@ def test_cancelling_40_streams_mid_flight_frees_every_kv_block(server: ServerThr
     assert server.server.backend.core.kv.pool.num_used_blocks > 0  # ...and holds blocks
     for s in streamers:
         s.close(cancel=True)
-    assert _idle(server, within=5.0)  # every block back within a few seconds
+    assert server.idle(within=5.0)  # every block back within a few seconds
     deadline = time.monotonic() + 5
     while _metric(server, "CANCELLED") < cancelled_before + 40 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -357,7 +342,7 @@ def test_attacks_get_clear_errors_and_leak_nothing(server: ServerThread, url: st
     assert "id is not valid UTF-8" in errors
     good = [r.infer_response for r in responses if not r.error_message]
     assert good and good[-1].id == "ok" and good[-1].parameters["triton_final_response"].bool_param
-    assert _idle(server)
+    assert server.idle()
 
 
 def test_unary_attacks_are_status_errors(url: str) -> None:
@@ -501,7 +486,7 @@ def test_unary_deadline_aborts_in_the_engine(server: ServerThread, url: str) -> 
     with pytest.raises(InferenceServerException) as err:
         client.infer("ensemble_sync", tensors, client_timeout=0.3)
     assert "DEADLINE_EXCEEDED" in err.value.status()
-    assert _idle(server)  # the request was aborted at the deadline, not run to its 990 tokens
+    assert server.idle()  # the request was aborted at the deadline, not run to its 990 tokens
     assert server.metric("llm_triton_requests_total", 'code="DEADLINE_EXCEEDED",model="ensemble_sync"') == 1
 
 

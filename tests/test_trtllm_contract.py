@@ -25,7 +25,7 @@ from protos.llm.v1 import llm_pb2
 from service.backends.trtllm import TrtllmBackend, sampling_config
 from service.config import AdmissionConfig, BackendConfig, TrtllmConfig
 from service.request import GenerateRequest, SamplingParams
-from tests.servers import running_server
+from tests.servers import generate, ids_and_text, running_server
 from tests.trtllm_double import installed
 from tests.trtllm_double.surface import ALLOW_LIST, PARTIAL, SURFACE, known_names, signature
 
@@ -200,14 +200,8 @@ def _req(prompt: str = "Hello there", max_tokens: int = 16, **kw) -> llm_pb2.Gen
 
 
 def _collect(stub, req, **kw):
-    ids, text, complete = [], "", None
-    for resp in stub.Generate(req, **kw):
-        if resp.HasField("chunk"):
-            ids += resp.chunk.token_ids
-            text += resp.chunk.text
-        else:
-            complete = resp.complete
-    return ids, text, complete
+    chunks, complete = generate(stub, req, **kw)
+    return (*ids_and_text(chunks), complete)
 
 
 def _wait_idle(srv, within: float = 3.0) -> None:
