@@ -8,7 +8,6 @@ import re
 import socket
 import subprocess
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -18,6 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 from service.api.server import LLMServer
 from service.config import BackendConfig, NativeConfig, ServerConfig, replace_path
+from tests.doubles import PacedRunner
+from tests.waiting import WITHIN_S, wait_until
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 class ServerThread:
@@ -51,19 +54,27 @@ class ServerThread:
         backend = self.server.backend
         return backend.core if hasattr(backend, "core") else backend.executor.core
 
-    def idle(self, within: float = 5.0) -> bool:
+    def _is_idle(self) -> bool:
+        backend = self.server.backend
+        core = getattr(backend, "core", None) or getattr(getattr(backend, "executor", None), "core", None)
+        return backend.num_in_flight == 0 and (
+            core is None or (not core.scheduler.requests and core.kv.pool.num_used_blocks == 0)
+        )
+
+    def idle(self, within: float = WITHIN_S) -> bool:
         """True once, within `within` s, no request is in flight and a native engine (the backend's, or the one
         inside the TensorRT-LLM double) has no request and no KV block left; a Triton backend has none here."""
-        deadline = time.monotonic() + within
-        backend = self.server.backend
-        while time.monotonic() < deadline:
-            core = getattr(backend, "core", None) or getattr(getattr(backend, "executor", None), "core", None)
-            if backend.num_in_flight == 0 and (
-                core is None or (not core.scheduler.requests and core.kv.pool.num_used_blocks == 0)
-            ):
-                return True
-            time.sleep(0.02)
-        return False
+        try:
+            return wait_until(self._is_idle, "the server idle", within)
+        except AssertionError:
+            return False
+
+    def pace(self) -> PacedRunner:
+        """Put the PacedRunner test double around the generating engine's runner (free until held)."""
+        core = self.core
+        if not isinstance(core.runner, PacedRunner):
+            core.runner = PacedRunner(core.runner)
+        return core.runner
 
     def break_engine(self) -> None:
         """Make the engine fail the way each backend fails: a step raising, or the executor dying."""
@@ -158,16 +169,12 @@ def free_port() -> int:
 
 def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def serving() -> bool:
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else f"exited with {proc.returncode}"
         try:
-            if (
-                health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
-                == health_pb2.HealthCheckResponse.SERVING
-            ):
-                return
+            return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == SERVING
         except grpc.RpcError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError("the service never became SERVING")
+            return False
+
+    wait_until(serving, "the service SERVING", timeout)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -14,7 +15,9 @@ from service.engine.async_engine import AsyncEngine
 from service.engine.core import EngineCore
 from service.errors import EngineError, EngineUnavailable, InvalidRequest, QueueFull
 from service.request import GenerateRequest, SamplingParams
+from tests.doubles import FaultyRunner, PacedRunner
 from tests.engines import build_tiny
+from tests.waiting import wait_until_async
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,18 @@ async def _started(engine_dir: Path, blocks: int = 256, **cfg) -> AsyncEngine:
 
 
 async def _collect(engine: AsyncEngine, gen: GenerateRequest) -> list:
-    return [out async for out in engine.generate(gen)]
+    return await _drain(engine.generate(gen))
+
+
+async def _drain(stream) -> list:
+    return [out async for out in stream]
+
+
+async def aenumerate(stream):
+    n = 0
+    async for item in stream:
+        yield n, item
+        n += 1
 
 
 def test_streams_complete_and_everything_is_released(engine_dir: Path) -> None:
@@ -51,27 +65,30 @@ def test_streams_complete_and_everything_is_released(engine_dir: Path) -> None:
     asyncio.run(main())
 
 
-def test_cancellation_storm_frees_everything_within_a_second(engine_dir: Path) -> None:
+def test_cancellation_storm_frees_everything(engine_dir: Path) -> None:
     async def main() -> None:
         engine = await _started(engine_dir, blocks=512, max_queue=256)
+        core = engine.core
+        paced = core.runner = PacedRunner(core.runner)
         rng = random.Random(0)
 
-        async def consume(i: int) -> None:
-            async for _ in engine.generate(
-                _gen(f"c{i}", 300, [rng.randrange(3, 260) for _ in range(rng.randint(1, 90))])
-            ):
-                await asyncio.sleep(0)
+        async def consume(i: int, stop_after: int) -> None:
+            prompt = [rng.randrange(3, 260) for _ in range(rng.randint(1, 90))]
+            async with contextlib.aclosing(engine.generate(_gen(f"c{i}", 300, prompt))) as outputs:
+                async for n, _ in aenumerate(outputs):
+                    if n + 1 == stop_after:
+                        break  # aborted mid-prefill (outputs are only sampled tokens) or mid-decode
 
-        tasks = [asyncio.create_task(consume(i)) for i in range(200)]
-        for t in tasks:  # abort at random points: queued, prefilling, decoding
-            await asyncio.sleep(rng.random() * 0.01)
+        paced.hold()  # every request admitted before any step runs: some are cancelled while still queued
+        tasks = [asyncio.create_task(consume(i, rng.randint(1, 8))) for i in range(200)]
+        await wait_until_async(lambda: engine.num_in_flight == 200, "all 200 admitted")
+        for t in rng.sample(tasks, 60):
             t.cancel()
+        paced.release()
         await asyncio.gather(*tasks, return_exceptions=True)
-        deadline = time.monotonic() + 1.0
-        core = engine.core
-        while time.monotonic() < deadline and (core.scheduler.requests or core.kv.pool.num_used_blocks):
-            await asyncio.sleep(0.01)
-        assert not core.scheduler.requests and core.kv.pool.num_used_blocks == 0
+        await wait_until_async(
+            lambda: not core.scheduler.requests and not core.kv.pool.num_used_blocks, "every request and block freed"
+        )
         assert engine.num_in_flight == 0 and engine.num_queued == 0 and not core.outputs.texts
         core.scheduler.check_invariants()
         await engine.shutdown()
@@ -85,11 +102,16 @@ def test_queue_bound_rejects_the_overflow(engine_dir: Path) -> None:
         engine = AsyncEngine(core, AdmissionConfig(max_queue=8))
         engine.start()
         running = engine.generate(_gen("running", 200))
-        await running.__anext__()  # it is running (it produced a token)
-        tasks = [asyncio.create_task(_collect(engine, _gen(f"q{i}", 4))) for i in range(12)]
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        rejected = [r for r in results if isinstance(r, QueueFull)]
-        assert len(rejected) == 4 and all(isinstance(r, list) for r in results if r not in rejected)
+        await running.__anext__()  # it is running (it produced a token): it is not queued
+        admitted, rejected = [], 0
+        for i in range(12):  # admission is synchronous: nothing leaves the queue between these calls
+            try:
+                admitted.append(engine.generate(_gen(f"q{i}", 4)))
+            except QueueFull:
+                rejected += 1
+        assert rejected == 4 and len(admitted) == 8
+        results = await asyncio.gather(*(_drain(s) for s in admitted))
+        assert all(sum(len(o.new_token_ids) for o in r) == 4 for r in results)
         assert [o async for o in running][-1].finished
         await engine.shutdown()
 
@@ -146,7 +168,7 @@ def test_step_failure_fails_requests_and_marks_engine_dead(engine_dir: Path) -> 
         core.runner.execute = broken
         with pytest.raises(EngineError):
             await _collect(engine, _gen("doomed", 5))
-        await asyncio.sleep(0.05)
+        await wait_until_async(lambda: health, "the health callback")
         assert not engine.is_healthy and health == [False]
         with pytest.raises(EngineUnavailable):
             await _collect(engine, _gen("after", 5))
@@ -161,30 +183,26 @@ def test_watchdog_reports_a_stalled_step(engine_dir: Path) -> None:
         health: list[bool] = []
         fatal: list[str] = []
         core = EngineCore(engine_dir, num_kv_blocks=64)
-        config = AdmissionConfig(stall_timeout_s=0.2, on_failure=on_failure)
-        engine = AsyncEngine(core, config)
+        engine = AsyncEngine(core, AdmissionConfig(stall_timeout_s=0.2, on_failure=on_failure))
         engine.bind(health.append, fatal.append)
         engine.start()
-        real = core.runner.execute
-
-        def slow(batch):
-            time.sleep(0.8)
-            return real(batch)
-
-        core.runner.execute = slow
-        if on_failure == "recover":  # unhealthy while the step runs, healthy again once it returns
-            outs = await _collect(engine, _gen("slow", 1))
-            assert outs[-1].finished
-            await asyncio.sleep(0.3)
-            assert health[:2] == [False, True] and engine.is_healthy and not fatal
-        else:  # a stalled step is fatal: the stream fails at the stall limit, not when the step returns
-            start = time.monotonic()
+        stalling = core.runner = FaultyRunner(core.runner)
+        stalling.stall_next()  # the next step hangs until unstall()
+        request = asyncio.create_task(_collect(engine, _gen("slow", 1)))
+        if on_failure == "recover":  # unhealthy while the step hangs, healthy again once it returns
+            await wait_until_async(lambda: health, "the watchdog noticing the stall")
+            assert health == [False] and not engine.is_healthy and not request.done()
+            stalling.unstall()
+            assert (await request)[-1].finished
+            await wait_until_async(lambda: len(health) > 1, "health back after the stall")
+            assert health == [False, True] and engine.is_healthy and not fatal
+        else:  # a stalled step is fatal: the stream fails at the stall limit, while the step still hangs
             with pytest.raises(EngineError, match="stalled"):
-                await _collect(engine, _gen("slow", 1))
-            assert time.monotonic() - start < 0.7
-            assert fatal == ["engine step stalled"] and not engine.is_healthy
+                await request
+            assert stalling.stalled.is_set() and fatal == ["engine step stalled"] and not engine.is_healthy
             with pytest.raises(EngineUnavailable):
                 await _collect(engine, _gen("after", 1))
+            stalling.unstall()
         await engine.shutdown()
 
     asyncio.run(main("recover"))
@@ -194,12 +212,11 @@ def test_watchdog_reports_a_stalled_step(engine_dir: Path) -> None:
 def test_draining_engine_rejects_new_requests(engine_dir: Path) -> None:
     async def main() -> None:
         engine = await _started(engine_dir)
-        in_flight = asyncio.create_task(_collect(engine, _gen("inflight", 30)))
-        await asyncio.sleep(0.01)
+        in_flight = engine.generate(_gen("inflight", 30))  # admitted (admission is synchronous)
         engine.stop_accepting()
         with pytest.raises(EngineUnavailable):
             await _collect(engine, _gen("late", 3))
-        assert len(await in_flight) > 0
+        assert sum(len(o.new_token_ids) for o in await _drain(in_flight)) == 30
         await engine.shutdown()
 
     asyncio.run(main())

@@ -13,6 +13,8 @@ from clients.loadtest.__main__ import main
 from tests.engines import build_tiny
 from tests.servers import running_server
 
+pytestmark = pytest.mark.server
+
 STATS = {"mean", "min", "max", "p50", "p90", "p95", "p99"}
 RUN_KEYS = {
     "completed", "failed", "duration_s", "request_throughput_rps", "output_throughput_tok_s", "total_throughput_tok_s",

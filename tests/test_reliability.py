@@ -23,6 +23,8 @@ from protos.llm.v1 import llm_pb2
 from tests.engines import build_tiny
 from tests.servers import ServerThread, generate, ids_and_text, make_config, running_server
 
+pytestmark = pytest.mark.server
+
 VOCAB = 267
 SERVING = health_pb2.HealthCheckResponse.SERVING
 

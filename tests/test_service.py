@@ -22,6 +22,8 @@ from tests.engines import build_tiny
 from tests.servers import ServerThread, generate, make_config, running_server
 from tests.trtllm_double import installed
 
+pytestmark = pytest.mark.server
+
 VOCAB = 267
 
 

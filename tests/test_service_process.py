@@ -21,6 +21,8 @@ from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 from tests.engines import build_tiny
 from tests.servers import free_port, running_server, wait_serving
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

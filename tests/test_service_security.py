@@ -12,6 +12,8 @@ from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 from tests.engines import build_tiny
 from tests.servers import running_server
 
+pytestmark = pytest.mark.server
+
 
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)

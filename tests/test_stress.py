@@ -19,6 +19,8 @@ from clients.stress.fuzz import Fuzzer
 from tests.engines import build_tiny
 from tests.servers import free_port, running_server, wait_serving
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture(scope="module")
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

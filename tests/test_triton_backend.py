@@ -20,6 +20,8 @@ from service.errors import BackendLoadError
 from tests.engines import build_tiny
 from tests.servers import ServerThread, free_port, generate, make_config, running_server
 
+pytestmark = pytest.mark.server
+
 VARIED = {"temperature": 10.0, "seed": 11}  # the tiny model's greedy text repeats one character
 
 

@@ -23,6 +23,8 @@ from tests.engines import build_tiny
 from tests.servers import ServerThread, generate, ids_and_text, make_config, running_server
 from tests.triton_clients import Streamer, inputs, stream_once, tensor
 
+pytestmark = pytest.mark.server
+
 PROMPTS = ("Hello there", "The capital of France is", "Once upon a time, in a land", "1, 2, 3, 4,")
 
 

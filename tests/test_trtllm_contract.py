@@ -29,6 +29,8 @@ from tests.servers import generate, ids_and_text, running_server
 from tests.trtllm_double import installed
 from tests.trtllm_double.surface import ALLOW_LIST, PARTIAL, SURFACE, known_names, signature
 
+pytestmark = pytest.mark.server
+
 LIMITS = {"max_seq_len": 512, "max_num_tokens": 64, "max_batch_size": 8, "kv_block_size": 16}
 EXECUTOR = "tensorrt_llm.bindings.executor"
 

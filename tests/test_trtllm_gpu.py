@@ -40,7 +40,12 @@ def _why_not() -> str | None:
 
 
 REASON = _why_not()
-pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.server,
+    pytest.mark.skipif(REASON is not None, reason=str(REASON)),
+]
 
 
 @pytest.fixture(scope="module", params=["float16", "bfloat16"])
