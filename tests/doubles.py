@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -82,10 +83,14 @@ class PacedRunner:
     again. `wait_held()` returns once the engine thread waits at the gate, i.e. no step is running and a
     batch has been scheduled. This is how a test keeps a request running, queued or unfinished for as long as
     it needs, on any machine, instead of hoping that a sleep is shorter than the request.
+
+    `min_step_s` is a floor under every step's duration, as a slow device would have: a request of N tokens
+    then takes at least N x min_step_s on any machine (a deadline shorter than that always expires first).
     """
 
-    def __init__(self, real) -> None:
+    def __init__(self, real, min_step_s: float = 0.0) -> None:
         self.real = real
+        self.min_step_s = min_step_s
         self.steps = 0  # forward passes run
         self._cond = threading.Condition()
         self._allowance: int | None = None  # steps that may still start; None: any number
@@ -130,7 +135,12 @@ class PacedRunner:
             if self._allowance is not None:
                 self._allowance -= 1
             self.steps += 1
-        return self.real.execute(batch)
+        start = time.monotonic()
+        logits = self.real.execute(batch)
+        rest = self.min_step_s - (time.monotonic() - start)
+        if rest > 0:
+            time.sleep(rest)
+        return logits
 
     def __getattr__(self, name: str):
         return getattr(self.real, name)

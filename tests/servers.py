@@ -69,12 +69,18 @@ class ServerThread:
         except AssertionError:
             return False
 
-    def pace(self) -> PacedRunner:
-        """Put the PacedRunner test double around the generating engine's runner (free until held)."""
+    @contextlib.contextmanager
+    def paced(self, min_step_s: float = 0.0) -> Iterator[PacedRunner]:
+        """The PacedRunner test double around the generating engine's runner (free until held), for the block;
+        afterwards it is released and the real runner is back."""
         core = self.core
-        if not isinstance(core.runner, PacedRunner):
-            core.runner = PacedRunner(core.runner)
-        return core.runner
+        real = core.runner
+        core.runner = runner = PacedRunner(real, min_step_s)
+        try:
+            yield runner
+        finally:
+            runner.release()
+            core.runner = real
 
     def break_engine(self) -> None:
         """Make the engine fail the way each backend fails: a step raising, or the executor dying."""

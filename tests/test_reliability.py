@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -22,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.llm.v1 import llm_pb2
 from tests.engines import build_tiny
 from tests.servers import ServerThread, generate, ids_and_text, make_config, running_server
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.server
 
@@ -142,32 +144,37 @@ def test_a_message_over_the_byte_limit_is_refused_naming_the_flag(server: Server
 def test_slow_tokenization_does_not_block_health(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
     tokenizer = server.server.backend.core.tokenizer
     real = tokenizer.encode
+    entered, release = threading.Event(), threading.Event()
 
-    def slow_encode(text: str, add_special_tokens: bool = True) -> list[int]:
-        time.sleep(1.5)  # holds the calling thread, as a huge prompt would
+    def stuck_encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        entered.set()
+        release.wait(30)  # holds the calling thread, as a huge prompt would, until the test has looked
         return real(text, add_special_tokens)
 
-    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    monkeypatch.setattr(tokenizer, "encode", stuck_encode)
     stub = server.stub()
     done = threading.Event()
     threading.Thread(target=lambda: (_tokens(stub, _req(max_tokens=2)), done.set()), daemon=True).start()
-    time.sleep(0.3)  # the Generate is tokenizing now
-    start = time.perf_counter()
-    assert _health(server) == SERVING
-    assert time.perf_counter() - start < 0.3, "health waited for the tokenizer"
-    assert not done.is_set()
-    assert done.wait(10)
+    try:
+        assert entered.wait(30)  # the Generate is tokenizing now
+        for _ in range(5):
+            assert _health(server) == SERVING  # answered while the tokenizer holds its thread
+        assert not done.is_set()
+    finally:
+        release.set()
+    assert done.wait(30)
 
 
 # ---- 4. the RPC limit applies to LLM calls only ------------------------------------------------------------------
 
 
 def test_health_answers_when_the_rpc_limit_is_taken(engine_dir: Path) -> None:
-    with running_server(engine_dir, max_concurrent_rpcs=2) as srv:
+    with running_server(engine_dir, max_concurrent_rpcs=2) as srv, srv.paced() as paced:
         stub = srv.stub()
         streams = [stub.Generate(_req(prompt=f"long {i}", max_tokens=900)) for i in range(2)]
         for s in streams:
             next(s)
+        paced.hold()  # both keep their slots for as long as the test looks
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(_req(max_tokens=2)))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -178,6 +185,7 @@ def test_health_answers_when_the_rpc_limit_is_taken(engine_dir: Path) -> None:
             assert _health(srv) == SERVING
         for s in streams:
             s.cancel()
+        paced.release()
         _wait_idle(srv)
         assert len(_tokens(stub, _req(max_tokens=3))[0]) == 3  # the slots came back
 
@@ -223,13 +231,15 @@ def test_deadlines_are_counted_as_deadline_exceeded(server: ServerThread) -> Non
             return err.code()
         return grpc.StatusCode.OK
 
-    with ThreadPoolExecutor(8) as pool:
+    with server.paced() as paced, ThreadPoolExecutor(8) as pool:
+        paced.hold()  # no request can finish before its deadline, however fast the engine
         codes = list(pool.map(one, range(16)))
     assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 16
-    deadline = time.monotonic() + 2
-    while _count(server, "DEADLINE_EXCEEDED") - before["DEADLINE_EXCEEDED"] < 16:
-        assert time.monotonic() < deadline, "deadlines not counted as DEADLINE_EXCEEDED"
-        time.sleep(0.02)
+    wait_until(
+        lambda: _count(server, "DEADLINE_EXCEEDED") - before["DEADLINE_EXCEEDED"] >= 16,
+        "deadlines counted as DEADLINE_EXCEEDED",
+    )
+    assert _count(server, "DEADLINE_EXCEEDED") - before["DEADLINE_EXCEEDED"] == 16
     assert _count(server, "CANCELLED") == before["CANCELLED"]
     _wait_idle(server)
 
@@ -237,18 +247,22 @@ def test_deadlines_are_counted_as_deadline_exceeded(server: ServerThread) -> Non
 def test_drain_timeout_cuts_streams_with_aborted_or_unavailable(engine_dir: Path) -> None:
     srv = ServerThread(make_config(engine_dir, max_num_seqs=1)).start()
     try:
-        stub = srv.stub()
-        running = stub.Generate(_req(prompt="running", max_tokens=900))
-        next(running)  # decoding: it holds the only sequence slot
-        with ThreadPoolExecutor(1) as pool:
+        with srv.paced() as paced, ThreadPoolExecutor(1) as pool:
+            stub = srv.stub()
+            running = stub.Generate(_req(prompt="running", max_tokens=900))
+            next(running)  # decoding: it holds the only sequence slot
+            paced.hold()  # and it cannot finish before the drain timeout, on any machine
             queued = pool.submit(lambda: _tokens(stub, _req(prompt="queued", max_tokens=10)))
-            time.sleep(0.2)  # admitted, waiting for the slot: no output yet
-            srv.run(srv.server.drain_and_stop(0.3))
+            wait_until(lambda: srv.server.backend.num_in_flight == 2, "the second request admitted")
+            drain = asyncio.run_coroutine_threadsafe(srv.server.drain_and_stop(0.3), srv.loop)
+            wait_until(lambda: srv.server.servicer.cut, "the drain timeout")
+            paced.release()  # the engine applies the aborts
+            drain.result(timeout=30)
             with pytest.raises(grpc.RpcError) as err:
                 list(running)
             assert err.value.code() == grpc.StatusCode.ABORTED and "after" in err.value.details()
             with pytest.raises(grpc.RpcError) as err:
-                queued.result(timeout=5)
+                queued.result(timeout=30)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shut down" in err.value.details()
     finally:
         srv.stop()

@@ -21,6 +21,7 @@ from service.request import MAX_LOGPROBS
 from tests.engines import build_tiny
 from tests.servers import ServerThread, generate, make_config, running_server
 from tests.trtllm_double import installed
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.server
 
@@ -64,14 +65,9 @@ def _collect(stub, req, **kw) -> tuple[list[llm_pb2.Chunk], llm_pb2.Complete]:
     return chunks, complete
 
 
-def _idle(server: ServerThread, within: float = 1.0) -> bool:
-    deadline = time.monotonic() + within
-    core = server.core
-    while time.monotonic() < deadline:
-        if not core.scheduler.requests and server.metric("llm_kv_cache_blocks_used") == 0:
-            return server.server.backend.num_in_flight == 0 and core.kv.pool.num_used_blocks == 0
-        time.sleep(0.02)
-    return False
+def _idle(server: ServerThread) -> bool:
+    """No request, no KV block left: in the engine, in the backend's streams and in the exposed gauge."""
+    return server.idle() and wait_until(lambda: server.metric("llm_kv_cache_blocks_used") == 0, "gauge at 0")
 
 
 def test_stream_usage_and_timers(server: ServerThread) -> None:
@@ -235,11 +231,12 @@ def test_cancellations_and_deadlines_free_everything(server: ServerThread) -> No
         call.cancel()
         return grpc.StatusCode.CANCELLED
 
-    with ThreadPoolExecutor(16) as pool:
+    # a floor of 2 ms per step: 700 tokens take over 1.4 s, so every deadline (at most 0.3 s) expires first
+    with server.paced(min_step_s=0.002), ThreadPoolExecutor(16) as pool:
         codes = list(pool.map(one, range(100)))
     assert codes.count(grpc.StatusCode.CANCELLED) == 50
-    assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) >= 45
-    assert _idle(server, within=1.0), "KV blocks or requests left behind"
+    assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) == 50
+    assert _idle(server), "KV blocks or requests left behind"
     recorded = {c: _count(server, c) - before[c] for c in before}
     assert recorded["OK"] == 0  # none of them ran to completion
     # a cancel that arrives before the handler starts never reaches the servicer, so these are lower bounds
@@ -247,10 +244,11 @@ def test_cancellations_and_deadlines_free_everything(server: ServerThread) -> No
 
 
 def test_overload_gets_resource_exhausted(engine_dir: Path) -> None:
-    with running_server(engine_dir, max_queue=8, max_num_seqs=1) as srv:
+    with running_server(engine_dir, max_queue=8, max_num_seqs=1) as srv, srv.paced() as paced:
         stub = srv.stub()
         running = stub.Generate(_req(max_tokens=1000))
         next(running)  # scheduled and producing
+        paced.hold()  # it keeps the only sequence slot until the test lets go
 
         def one(i: int):
             start = time.perf_counter()
@@ -261,11 +259,15 @@ def test_overload_gets_resource_exhausted(engine_dir: Path) -> None:
                 return err.code(), time.perf_counter() - start
 
         with ThreadPoolExecutor(12) as pool:
-            results = list(pool.map(one, range(12)))
+            futures = [pool.submit(one, i) for i in range(12)]
+            wait_until(lambda: sum(f.done() for f in futures) == 4, "the overflow refused")
+            assert srv.server.backend.num_in_flight == 9  # the running one and 8 queued
+            running.cancel()
+            paced.release()
+            results = [f.result(timeout=60) for f in futures]
         rejected = [t for code, t in results if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
         assert len(rejected) == 4 and max(rejected) < 0.5
         assert sum(1 for code, _ in results if code == "ok") == 8
-        running.cancel()
 
 
 def test_health_starts_not_serving_then_serving(engine_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -275,15 +277,13 @@ def test_health_starts_not_serving_then_serving(engine_dir: Path, monkeypatch: p
     release = threading.Event()
 
     async def slow_warm_up(self, engine):
-        while not release.is_set():
-            await __import__("asyncio").sleep(0.02)
+        await __import__("asyncio").get_running_loop().run_in_executor(None, release.wait, 60)
         await real(self, engine)
 
     monkeypatch.setattr(LLMServer, "_warm_up", slow_warm_up)
     srv = ServerThread(make_config(engine_dir)).start(wait_ready=False)
     try:
-        while srv.server.port == 0:
-            time.sleep(0.01)
+        wait_until(lambda: srv.server.port, "the port bound")
         channel = srv.channel()
         health = health_pb2_grpc.HealthStub(channel)
         watch = health.Watch(health_pb2.HealthCheckRequest(service="llm.v1.LLMService"))
@@ -310,7 +310,7 @@ def test_slow_reader_does_not_slow_the_others(server: ServerThread, backend: str
     # nobody reads this stream for a while; top-20 logprobs make it ~200 KB, past HTTP/2's 64 KB stream window
     top = 20 if backend == "native" else 0
     slow = stub.Generate(_req(prompt="never read", max_tokens=900, output=llm_pb2.OutputOptions(logprobs=top)))
-    time.sleep(0.05)
+    wait_until(lambda: server.server.backend.num_in_flight, "the unread stream admitted")
     start = time.perf_counter()
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda i: _collect(stub, _req(prompt=f"fast {i}", max_tokens=200)), range(4)))
@@ -345,10 +345,9 @@ def test_metrics_exposition_names(server: ServerThread, backend: str) -> None:
     if backend == "native":  # engine steps are the native engine's own
         assert 'llm_step_duration_seconds_bucket{le="0.001",phase="decode"}' in text
     assert 'le="0.0025"' in text  # buckets fine enough for sub-10 ms decode steps
-    deadline = time.monotonic() + 2  # the TensorRT-LLM backend learns its pool size from the executor's stats
-    while server.metric("llm_kv_cache_blocks_total") != server.core.sched_cfg.num_kv_blocks:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    # the TensorRT-LLM backend learns its pool size from the executor's stats
+    total = server.core.sched_cfg.num_kv_blocks
+    wait_until(lambda: server.metric("llm_kv_cache_blocks_total") == total, "the KV pool size exposed")
 
 
 def test_reflection_lists_the_services(server: ServerThread) -> None:
@@ -401,10 +400,8 @@ def test_engine_failure_reports_unavailable_and_not_serving(engine_dir: Path) ->
             list(srv.stub().Generate(_req()))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # nothing was streamed yet
         health = health_pb2_grpc.HealthStub(srv.channel())
-        deadline = time.monotonic() + 2
-        while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        wait_until(lambda: health.Check(health_pb2.HealthCheckRequest()).status == not_serving, "NOT_SERVING")
         with pytest.raises(grpc.RpcError) as err:
             list(srv.stub().Generate(_req()))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 from tests.engines import build_tiny
 from tests.servers import free_port, running_server, wait_serving
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.server
 
@@ -72,10 +73,16 @@ def test_sigterm_drains_streams_in_flight(engine_dir: Path) -> None:
             started.wait()
             proc.send_signal(signal.SIGTERM)
             sigterm = time.monotonic()
-            time.sleep(0.2)
+
+            def refused() -> bool:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=2).close()
+                except ConnectionRefusedError:
+                    return True
+                return False
+
             # the listener is closed at the start of the drain (a balancer retries elsewhere), streams go on
-            with pytest.raises(ConnectionRefusedError):
-                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            wait_until(refused, "the listener closed")
             with pytest.raises(grpc.RpcError) as err:
                 list(llm_pb2_grpc.LLMServiceStub(grpc.insecure_channel(target)).Generate(
                     llm_pb2.GenerateRequest(prompt="late"), timeout=5

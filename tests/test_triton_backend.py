@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from protos.llm.v1 import llm_pb2
 from service.errors import BackendLoadError
 from tests.engines import build_tiny
 from tests.servers import ServerThread, free_port, generate, make_config, running_server
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.server
 
@@ -168,10 +168,7 @@ def test_no_thread_is_left_behind(a: ServerThread, b: ServerThread) -> None:
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(one, range(40)))
     assert b.idle() and a.idle()
-    deadline = time.monotonic() + 5
-    while threading.active_count() > before + 4 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert threading.active_count() <= before + 4  # not one per request (40 would be left)
+    wait_until(lambda: threading.active_count() <= before + 4, "threads back")  # not one per request (40)
 
 
 def _health(srv: ServerThread) -> int:
@@ -182,13 +179,8 @@ def _health(srv: ServerThread) -> int:
         return -1
 
 
-def _wait_health(srv: ServerThread, status: int, within: float) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < within:
-        if _health(srv) == status:
-            return time.monotonic() - start
-        time.sleep(0.05)
-    raise AssertionError(f"health is {_health(srv)}, not {status}, after {within} s")
+def _wait_health(srv: ServerThread, status: int) -> None:
+    wait_until(lambda: _health(srv) == status, f"health {status}")
 
 
 def test_b_follows_a_down_and_back_up(engine_dir: Path) -> None:
@@ -198,12 +190,12 @@ def test_b_follows_a_down_and_back_up(engine_dir: Path) -> None:
     try:
         assert _health(b) == health_pb2.HealthCheckResponse.SERVING
         a.stop()
-        assert _wait_health(b, health_pb2.HealthCheckResponse.NOT_SERVING, within=5) < 5
+        _wait_health(b, health_pb2.HealthCheckResponse.NOT_SERVING)
         with pytest.raises(grpc.RpcError) as err:
             _gen(b, prompt="Hi")
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and f"127.0.0.1:{port}" in err.value.details()
         a = ServerThread(make_config(engine_dir, triton_port=port)).start()
-        assert _wait_health(b, health_pb2.HealthCheckResponse.SERVING, within=5) < 5
+        _wait_health(b, health_pb2.HealthCheckResponse.SERVING)
         chunks, done = _gen(b, prompt="Hi")
         assert done.usage.completion_tokens == 24 == sum(len(c.token_ids) for c in chunks)
     finally:
@@ -217,11 +209,12 @@ def test_streams_in_flight_fail_cleanly_when_a_dies(engine_dir: Path) -> None:
     b = ServerThread(_b_config(engine_dir, port)).start()
     try:
         req = llm_pb2.GenerateRequest(prompt="Hi", stopping=llm_pb2.StoppingParams(max_tokens=990, ignore_eos=True))
-        calls = [b.stub().Generate(req, timeout=60) for _ in range(4)]
-        for call in calls:
-            next(call)
-        with ThreadPoolExecutor(1) as pool:
-            pool.submit(a.stop).result(30)
+        with a.paced(min_step_s=0.005):  # 990 tokens take at least 5 s: all four still run when A stops
+            calls = [b.stub().Generate(req, timeout=60) for _ in range(4)]
+            for call in calls:
+                next(call)
+            with ThreadPoolExecutor(1) as pool:
+                pool.submit(a.stop).result(30)
         codes = set()
         for call in calls:
             with pytest.raises(grpc.RpcError) as err:

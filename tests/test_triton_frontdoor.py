@@ -21,7 +21,8 @@ from protos.llm.v1 import llm_pb2
 from service.api.triton.models import MODELS
 from tests.engines import build_tiny
 from tests.servers import ServerThread, generate, ids_and_text, make_config, running_server
-from tests.triton_clients import Streamer, inputs, stream_once, tensor
+from tests.triton_clients import Streamer, inputs, is_final, stream_once, tensor
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.server
 
@@ -131,18 +132,22 @@ def test_bad_temperature_is_refused_naming_it(url: str) -> None:
 
 def test_cancelling_40_streams_mid_flight_frees_every_kv_block(server: ServerThread, url: str) -> None:
     cancelled_before = _metric(server, "CANCELLED")
-    streamers = [Streamer(url) for _ in range(40)]
-    for i, s in enumerate(streamers):
-        s.send("ensemble", _ensemble(PROMPTS[i % 4], 990), f"c{i}")
-    started = [s for s in streamers if s.queue.get(timeout=60)[1] is None]  # each has streamed output...
-    assert len(started) == 40 and server.server.backend.num_in_flight == 40  # ...and none has finished
-    assert server.server.backend.core.kv.pool.num_used_blocks > 0  # ...and holds blocks
-    for s in streamers:
-        s.close(cancel=True)
-    assert server.idle(within=5.0)  # every block back within a few seconds
-    deadline = time.monotonic() + 5
-    while _metric(server, "CANCELLED") < cancelled_before + 40 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    backend = server.server.backend
+    with server.paced() as paced:
+        paced.hold()  # the engine runs one step at a time below: no request can finish
+        streamers = [Streamer(url) for _ in range(40)]
+        for i, s in enumerate(streamers):
+            s.send("ensemble", _ensemble(PROMPTS[i % 4], 990), f"c{i}")
+        wait_until(lambda: backend.num_in_flight == 40, "all 40 admitted")
+        reqs = backend.core.scheduler.requests
+        paced.step_until(lambda: len(reqs) == 40 and all(r.output_token_ids for r in reqs.values()))
+        started = [s for s in streamers if s.queue.get(timeout=60)[1] is None]  # each has streamed output...
+        assert len(started) == 40 and backend.num_in_flight == 40  # ...and none has finished
+        assert backend.core.kv.pool.num_used_blocks > 0  # ...and holds blocks
+        for s in streamers:
+            s.close(cancel=True)
+    assert server.idle()  # every block back
+    wait_until(lambda: _metric(server, "CANCELLED") >= cancelled_before + 40, "40 counted as CANCELLED")
     assert _metric(server, "CANCELLED") == cancelled_before + 40
 
 
@@ -410,15 +415,18 @@ def test_a_reused_id_never_reaches_another_stream(server: ServerThread, url: str
         assert not both.errors and both.total("num_output_tokens") == 20
         # a stop request ends the requests with its id on its own stream only
         trt = {"input_ids": [5, 6, 7], "input_lengths": 3, "request_output_len": 900, "streaming": True}
-        a.send("tensorrt_llm", inputs("tensorrt_llm", **trt), "y")
-        b.send("tensorrt_llm", inputs("tensorrt_llm", **trt), "y")
-        assert a.queue.get(timeout=30)[1] is None and b.queue.get(timeout=30)[1] is None  # both are generating
-        a.send("tensorrt_llm", inputs("tensorrt_llm", **trt, stop=True), "y")
-        stopped = a.read(n_final=2, timeout=30)  # the stopped request's final, then the stop's empty final
-        assert not stopped.errors and all(r.get_response().id == "y" for r in stopped.results)
-        time.sleep(0.3)
-        assert b.queue.empty() or b.queue.get()[1] is None  # b's "y" is still generating, not stopped
-        assert server.server.backend.num_in_flight == 1
+        with server.paced() as paced:
+            a.send("tensorrt_llm", inputs("tensorrt_llm", **trt), "y")
+            b.send("tensorrt_llm", inputs("tensorrt_llm", **trt), "y")
+            assert a.queue.get(timeout=30)[1] is None and b.queue.get(timeout=30)[1] is None  # both generate
+            paced.hold()  # neither can finish on its own from here
+            a.send("tensorrt_llm", inputs("tensorrt_llm", **trt, stop=True), "y")
+            stopped = a.read(n_final=2, timeout=30)  # the stopped request's final, then the stop's empty final
+            assert not stopped.errors and all(r.get_response().id == "y" for r in stopped.results)
+            wait_until(lambda: server.server.backend.num_in_flight == 1, "a's request gone")
+            while not b.queue.empty():  # b's "y" is still generating: nothing final, no error
+                result, error = b.queue.get()
+                assert error is None and not is_final(result)
     finally:
         a.close(cancel=True)
         b.close(cancel=True)
@@ -431,11 +439,10 @@ def test_empty_final_response_only_when_asked(url: str) -> None:
     try:
         s.send("tensorrt_llm", inputs("tensorrt_llm", **trt), "q", empty_final=False)
         s.send("tensorrt_llm", inputs("tensorrt_llm", **trt), "r", empty_final=True)
-        run = s.read()
-        assert [r.get_response().id for r in run.results] == ["r"]
+        s.send("tensorrt_llm", inputs("tensorrt_llm", **trt), "marker", empty_final=True)
+        run = s.read(n_final=2)  # "q" answered nothing before the requests sent after it
+        assert [r.get_response().id for r in run.results] == ["r", "marker"]
         assert not run.results[0].get_response().outputs
-        time.sleep(0.2)
-        assert s.queue.empty()
     finally:
         s.close()
 
@@ -485,7 +492,7 @@ def test_drain_lets_triton_streams_finish(engine_dir: Path) -> None:
 def test_unary_deadline_aborts_in_the_engine(server: ServerThread, url: str) -> None:
     client = tg.InferenceServerClient(url)
     tensors = inputs("ensemble_sync", text_input="Hi", max_tokens=990, end_id=-1)
-    with pytest.raises(InferenceServerException) as err:
+    with server.paced(min_step_s=0.002), pytest.raises(InferenceServerException) as err:  # 990 tokens take 2 s
         client.infer("ensemble_sync", tensors, client_timeout=0.3)
     assert "DEADLINE_EXCEEDED" in err.value.status()
     assert server.idle()  # the request was aborted at the deadline, not run to its 990 tokens

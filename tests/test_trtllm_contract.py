@@ -12,7 +12,6 @@ import asyncio
 import datetime
 import inspect
 import json
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,6 +27,7 @@ from service.request import GenerateRequest, SamplingParams
 from tests.servers import generate, ids_and_text, running_server
 from tests.trtllm_double import installed
 from tests.trtllm_double.surface import ALLOW_LIST, PARTIAL, SURFACE, known_names, signature
+from tests.waiting import wait_until, wait_until_async
 
 pytestmark = pytest.mark.server
 
@@ -206,12 +206,8 @@ def _collect(stub, req, **kw):
     return (*ids_and_text(chunks), complete)
 
 
-def _wait_idle(srv, within: float = 3.0) -> None:
-    core = srv.server.backend.executor.core
-    deadline = time.monotonic() + within
-    while core.scheduler.requests or core.kv.pool.num_used_blocks or srv.server.backend.num_in_flight:
-        assert time.monotonic() < deadline, "the executor kept requests or KV blocks"
-        time.sleep(0.02)
+def _wait_idle(srv) -> None:
+    assert srv.idle(), "the executor kept requests or KV blocks"
 
 
 def test_streams_equal_the_native_engine_on_the_same_weights(double, engine: Path) -> None:
@@ -257,7 +253,7 @@ def test_cancel_and_deadline_cancel_in_the_executor(double, engine: Path) -> Non
         call = srv.stub().Generate(_req(max_tokens=400))
         next(call)
         call.cancel()
-        with pytest.raises(grpc.RpcError) as err:
+        with srv.paced(min_step_s=0.002), pytest.raises(grpc.RpcError) as err:  # 450 tokens take over 0.9 s
             _collect(srv.stub(), _req(max_tokens=450), timeout=0.3)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         _wait_idle(srv)
@@ -276,58 +272,63 @@ def test_unsupported_fields_are_refused(double, engine: Path) -> None:
 
 
 def test_gauges_come_from_iteration_stats(double, engine: Path) -> None:
-    with running_server(engine) as srv:
+    with running_server(engine) as srv, srv.paced() as paced:
         call = srv.stub().Generate(_req(max_tokens=400))
         next(call)
-        deadline = time.monotonic() + 3
-        while srv.metric("llm_kv_cache_blocks_used") == 0 or srv.metric("llm_num_requests_running") == 0:
-            assert time.monotonic() < deadline, "gauges never moved"
-            time.sleep(0.05)
+        paced.hold()  # it keeps running (and holding blocks) while the gauges are read
+        wait_until(
+            lambda: srv.metric("llm_kv_cache_blocks_used") and srv.metric("llm_num_requests_running"),
+            "gauges moved",
+        )
         assert srv.metric("llm_kv_cache_blocks_total") == 256
         call.cancel()
+        paced.release()
         _wait_idle(srv)
-        deadline = time.monotonic() + 3
-        while srv.metric("llm_kv_cache_blocks_used") or srv.metric("llm_num_requests_running"):
-            assert time.monotonic() < deadline, "gauges stuck after the cancel"
-            time.sleep(0.05)
+        wait_until(
+            lambda: not srv.metric("llm_kv_cache_blocks_used") and not srv.metric("llm_num_requests_running"),
+            "gauges back to zero after the cancel",
+        )
 
 
 @pytest.mark.parametrize("policy", ["exit", "recover"])
 def test_a_dead_executor_fails_every_stream_then_the_policy(double, engine: Path, policy: str) -> None:
     with running_server(engine, on_engine_error=policy) as srv:
-        calls = [srv.stub().Generate(_req(f"stream {i}", max_tokens=400)) for i in range(3)]
-        for c in calls:
-            next(c)
-        srv.server.backend.executor.crash()
+        with srv.paced() as paced:
+            calls = [srv.stub().Generate(_req(f"stream {i}", max_tokens=400)) for i in range(3)]
+            for c in calls:
+                next(c)
+            paced.hold()  # all three are still running when the executor dies
+            srv.server.backend.executor.crash()
         for c in calls:
             with pytest.raises(grpc.RpcError) as err:
                 list(c)
             assert err.value.code() == grpc.StatusCode.INTERNAL  # they had streamed output
         if policy == "exit":
-            deadline = time.monotonic() + 3
-            while srv.server.fatal is None:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_until(lambda: srv.server.fatal, "the server marked fatal")
             assert "executor" in srv.server.fatal
         else:  # a new executor on the same engine; meanwhile UNAVAILABLE ("recovering"), which clients retry
-            deadline = time.monotonic() + 5
-            while True:
+
+            def serves() -> bool:
                 try:
-                    assert len(_collect(srv.stub(), _req(max_tokens=6))[0]) == 6
-                    break
+                    return len(_collect(srv.stub(), _req(max_tokens=6))[0]) == 6
                 except grpc.RpcError as err:
                     assert err.code() == grpc.StatusCode.UNAVAILABLE and "recovering" in err.details()
-                    assert time.monotonic() < deadline
-                    time.sleep(0.05)
+                    return False
+
+            wait_until(serves, "serving again after the recovery")
             assert srv.server.fatal is None
 
 
 def test_drain_cut_cancels_in_the_executor(double, engine: Path) -> None:
-    with running_server(engine) as srv:
+    with running_server(engine) as srv, srv.paced() as paced:
         double.recorder.clear()
         call = srv.stub().Generate(_req(max_tokens=450))
         next(call)
-        srv.run(srv.server.drain_and_stop(0.2))
+        paced.hold()  # it cannot finish before the drain timeout, on any machine
+        drain = asyncio.run_coroutine_threadsafe(srv.server.drain_and_stop(0.2), srv.loop)
+        wait_until(lambda: srv.server.servicer.cut, "the drain timeout")
+        paced.release()
+        drain.result(timeout=30)
         with pytest.raises(grpc.RpcError) as err:
             list(call)
         assert err.value.code() == grpc.StatusCode.ABORTED
@@ -338,7 +339,7 @@ def test_drain_cut_cancels_in_the_executor(double, engine: Path) -> None:
 # ---- conformance ------------------------------------------------------------------------------------------------
 
 
-def _exercise_everything(engine: Path, tmp: Path) -> None:
+def _exercise_everything(engine: Path, tmp: Path, recorder) -> None:
     """Every path of the builder and the backend that calls into TensorRT-LLM."""
     for options in (TrtllmOptions(), TrtllmOptions(weight_only="int4"), TrtllmOptions(tp_size=2)):
         build("tiny-random", tmp / f"{options.weight_only}-{options.tp_size}", LIMITS, progress=False,
@@ -358,7 +359,8 @@ def _exercise_everything(engine: Path, tmp: Path) -> None:
         stream = backend.generate(GenerateRequest("c", [5, 6], SamplingParams(max_tokens=200, ignore_eos=True)))
         await stream.__anext__()
         await stream.aclose()  # cancel_request
-        await asyncio.sleep(0.3)  # a stats poll
+        polled = f"{EXECUTOR}.Executor.get_latest_iteration_stats"
+        await wait_until_async(lambda: recorder.called(polled), "a stats poll")
         await backend.shutdown(2)
 
     asyncio.run(serve())
@@ -366,7 +368,7 @@ def _exercise_everything(engine: Path, tmp: Path) -> None:
 
 def test_everything_our_code_touches_exists_in_the_real_surface(double, engine: Path, tmp_path: Path) -> None:
     double.recorder.seen.clear()
-    _exercise_everything(engine, tmp_path)
+    _exercise_everything(engine, tmp_path, double.recorder)
     touched = set(double.recorder.seen)
     unknown = sorted(n for n in touched if n not in known_names())
     assert not unknown, f"not in the 1.2 surface nor the allow-list: {unknown}"

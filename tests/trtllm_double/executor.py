@@ -72,6 +72,7 @@ class ExecutorDouble(SurfaceObject):
                 s["lock"].notify_all()
             else:
                 s["adds"].append((rid, request, time.monotonic()))
+                s["lock"].notify_all()
         return rid
 
     def await_responses(self, timeout: datetime.timedelta | None = None) -> list:
@@ -92,6 +93,7 @@ class ExecutorDouble(SurfaceObject):
         RECORDER.call("tensorrt_llm.bindings.executor.Executor.cancel_request", ("id",))
         with self._s["lock"]:
             self._s["cancels"].add(id)
+            self._s["lock"].notify_all()
 
     def get_latest_iteration_stats(self) -> list:
         RECORDER.call("tensorrt_llm.bindings.executor.Executor.get_latest_iteration_stats", ())
@@ -170,7 +172,9 @@ class ExecutorDouble(SurfaceObject):
             if core.has_unfinished_requests():
                 outputs += core.step()
             else:
-                time.sleep(0.001)
+                with s["lock"]:  # idle: until a request or a cancel arrives (or a short poll)
+                    if not s["adds"] and not s["cancels"] and not s["stop"]:
+                        s["lock"].wait(0.01)
             responses = [self._response(out) for out in outputs]
             with s["lock"]:
                 s["responses"].extend(r for r in responses if r is not None)
