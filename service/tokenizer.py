@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +25,19 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered (no template, or the template raised)."""
+
+
+class TooManyTokens(ValueError):
+    """A text has more tokens than allowed; `at_least` of them were counted in its first `num_bytes` bytes."""
+
+    def __init__(self, at_least: int, num_bytes: int) -> None:
+        super().__init__(f"at least {at_least} tokens in its first {num_bytes} bytes")
+        self.at_least, self.num_bytes = at_least, num_bytes
+
+
+# Characters per token the first probe of encode(max_tokens=...) assumes (English prose is ~4); each further probe
+# doubles it, so refusing a text that is too long costs at most about twice tokenizing max_tokens tokens.
+PROBE_CHARS_PER_TOKEN = 4
 
 
 def _raise_exception(message: str) -> None:
@@ -76,9 +90,44 @@ class Tokenizer:
         texts = self._tok.decode_batch([[i] for i in range(self.vocab_size)], skip_special_tokens=False)
         return max(1, *(len(t.encode()) for t in texts))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of raw text; add_special_tokens applies the tokenizer's post-processor (e.g. a BOS)."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """Token ids of raw text; add_special_tokens applies the tokenizer's post-processor (e.g. a BOS).
+
+        With max_tokens, a text with more tokens raises TooManyTokens, after tokenizing little more than
+        max_tokens tokens' worth of it (prefixes cut before a whitespace character, growing geometrically).
+        """
+        if max_tokens is not None:
+            self._check_length(text, add_special_tokens, max_tokens)
+        return self._encoding(text, add_special_tokens).ids
+
+    def encode_with_tokens(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
+        """Token ids and the token strings as the vocabulary spells them."""
+        encoding = self._encoding(text, add_special_tokens)
+        return encoding.ids, encoding.tokens
+
+    def _encoding(self, text: str, add_special_tokens: bool) -> tokenizers.Encoding:
+        # NOTE: Tokenizer.encode holds the GIL for the whole call (seconds for a large text: every other
+        # thread, the event loop and the engine's included, stops); encode_batch releases it, same ids.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+    def _check_length(self, text: str, add_special_tokens: bool, max_tokens: int) -> None:
+        """Raise TooManyTokens if `text` has more than max_tokens tokens, tokenizing only prefixes of it.
+
+        A prefix cut just before a whitespace character that follows a non-space one ends on a whole
+        pre-token (the GPT-2 / Metaspace splits break there, and special tokens hold no whitespace), so its
+        tokens are a prefix of the whole text's: more than max_tokens in the prefix means more in the text.
+        """
+        if len(text) <= max_tokens - 1:  # every token covers at least one character (plus one BOS)
+            return
+        size = (max_tokens + 1) * PROBE_CHARS_PER_TOKEN
+        while size < len(text):
+            cut = _whitespace_cut(text, size)
+            if cut is None:
+                return  # no place to cut: the caller's full encode decides
+            n = len(self._encoding(text[:cut], add_special_tokens).ids)
+            if n > max_tokens:
+                raise TooManyTokens(n, len(text[:cut].encode()))
+            size *= 2
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         # NOTE: `tokenizers` defaults to skipping special tokens; transformers does not. We follow transformers.
@@ -109,6 +158,17 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The rendered text already holds every special token the template wants (as transformers does).
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+_END_OF_WORD = re.compile(r"\S(?=\s)")
+
+
+def _whitespace_cut(text: str, near: int) -> int | None:
+    """The largest i in (near / 2, near] with text[i] whitespace and text[i - 1] not (the end of a pre-token)."""
+    last = None
+    for last in _END_OF_WORD.finditer(text, near // 2, near):  # noqa: B007 (the last match is wanted)
+        pass
+    return None if last is None else last.end()
 
 
 class IncrementalDetokenizer:
