@@ -39,15 +39,27 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 
 
 class RequestOutputCollector:
-    """Hand-off from the backend (via the event loop) to one consumer; put() never blocks."""
+    """Hand-off from the backend (via the event loop) to one consumer; put() never blocks.
 
-    def __init__(self) -> None:
+    `on_done` runs once, when the request's work ends: its final output arrives (whether or not the consumer
+    has taken it yet), or the stream closes early.
+    """
+
+    def __init__(self, on_done: Callable[[], None] | None = None) -> None:
         self._output: RequestOutput | None = None
         self._ready = asyncio.Event()
+        self._on_done = on_done
 
     def put(self, out: RequestOutput) -> None:
         self._output = out if self._output is None else merge_outputs(self._output, out)
         self._ready.set()
+        if out.finished:
+            self.done()
+
+    def done(self) -> None:
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            on_done()
 
     async def get(self) -> RequestOutput:
         while self._output is None:
@@ -78,8 +90,8 @@ class RequestStreams:
     def ids(self) -> list[str]:
         return list(self._collectors)
 
-    def open(self, req_id: str) -> RequestOutputCollector:
-        collector = RequestOutputCollector()
+    def open(self, req_id: str, on_done: Callable[[], None] | None = None) -> RequestOutputCollector:
+        collector = RequestOutputCollector(on_done)
         self._collectors[req_id] = collector
         self._queued.add(req_id)
         return collector
@@ -87,8 +99,11 @@ class RequestStreams:
     def close(self, req_id: str, collector: RequestOutputCollector | None = None) -> None:
         """Forget a stream; with `collector`, only if the id still belongs to it (an id may be reused later)."""
         if collector is not None and self._collectors.get(req_id) is not collector:
+            collector.done()
             return
-        self._collectors.pop(req_id, None)
+        closed = self._collectors.pop(req_id, None)
+        if closed is not None:
+            closed.done()
         self._queued.discard(req_id)
 
     def dispatch(self, outputs: Iterable[RequestOutput], newly_scheduled: Iterable[str] = ()) -> None:

@@ -79,9 +79,11 @@ class Backend(Protocol):
     def start(self, on_health_change: Callable[[bool], None], on_fatal: Callable[[str], None]) -> None:
         """Start serving (called in the event loop, after the slow load happened in a worker thread)."""
 
-    def generate(self, gen: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, gen: GenerateRequest, on_done: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
         """Admit a request (raising InvalidRequest, QueueFull or EngineUnavailable at once) and stream its
-        outputs; closing the stream early aborts the request. Outputs carry the backend's own request id."""
+        outputs; closing the stream early aborts the request. Outputs carry the backend's own request id.
+        `on_done` runs once the request's work has ended (its final output is in, whether or not the stream's
+        consumer has taken it; or the stream was closed): the edge frees the RPC's slot there."""
 
     def abort(self, req_id: str) -> None:
         """Abort one request by the backend's id, in any state; idempotent."""

@@ -29,8 +29,8 @@ class NativeBackend:
         self.engine.bind(on_health_change, on_fatal)
         self.engine.start()
 
-    def generate(self, gen: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(gen)
+    def generate(self, gen: GenerateRequest, on_done: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(gen, on_done)
 
     def abort(self, req_id: str) -> None:
         self.engine.abort(req_id)

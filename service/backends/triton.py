@@ -300,7 +300,7 @@ class TritonBackend(BackendRuntime):
             time.sleep(self.triton.health_period_s)
 
     # ---- requests ------------------------------------------------------------------------------------------------
-    def generate(self, gen: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, gen: GenerateRequest, on_done: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
         # NOTE: no await between these checks and the reservation (atomic admission, as the native backend).
         self.check_alive()
         check_request(gen.prompt_token_ids, gen.sampling, self.info.limits)
@@ -310,7 +310,7 @@ class TritonBackend(BackendRuntime):
         live = _Live(req_id, gen, RequestText(self.tokenizer, gen.prompt_token_ids, gen.sampling), time.monotonic())
         with self._lock:
             self._live[req_id] = live
-        collector = self.streams.open(req_id)
+        collector = self.streams.open(req_id, on_done)
         return self._stream(live, collector)
 
     def _check_supported(self, gen: GenerateRequest) -> None:

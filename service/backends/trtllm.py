@@ -265,7 +265,7 @@ class TrtllmBackend(BackendRuntime):
             logger.exception("executor shutdown failed")
 
     # ---- requests ----------------------------------------------------------------------------------------------
-    def generate(self, gen: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, gen: GenerateRequest, on_done: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
         # NOTE: no await between these checks and the reservation (atomic admission, as the native backend).
         self.check_alive()
         check_request(gen.prompt_token_ids, gen.sampling, self._base_info.limits)
@@ -283,7 +283,7 @@ class TrtllmBackend(BackendRuntime):
                 gen, RequestText(self.tokenizer, gen.prompt_token_ids, gen.sampling), time.monotonic()
             )
         req_id = f"{self._generation}:{rid}"
-        collector = self.streams.open(req_id)
+        collector = self.streams.open(req_id, on_done)
         self.busy(True)  # progress is expected from here: the watchdog times the gap between responses
         return self.streams.stream(req_id, collector, self.abort)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from service.config import AdmissionConfig
 from service.engine.core import EngineCore
@@ -68,7 +68,7 @@ class AsyncEngine(BackendRuntime):
             await self._loop.run_in_executor(None, self._thread.join, timeout)
 
     # ---- requests --------------------------------------------------------------------------------
-    def generate(self, gen: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    def generate(self, gen: GenerateRequest, on_done: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request. Raises InvalidRequest, QueueFull or EngineUnavailable at once.
 
         The engine keys the request on an id of its own (RequestOutput.request_id); gen.request_id is the
@@ -79,7 +79,7 @@ class AsyncEngine(BackendRuntime):
         self.core.check(gen)
         self.check_queue()
         req_id = str(next(self._ids))
-        collector = self.streams.open(req_id)
+        collector = self.streams.open(req_id, on_done)
         with self._lock:
             self._adds.append((req_id, gen, self.core.clock()))
         self._wake.set()
