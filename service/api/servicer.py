@@ -18,7 +18,7 @@ import grpc
 from google.protobuf.message import Message
 
 from protos.llm.v1 import llm_pb2
-from service.api import validation
+from service.api import interceptors, validation
 from service.api.metrics import ServiceMetrics
 from service.api.status import status_for, unary_errors
 from service.api.validation import TextLimits, chat_messages, check_fields, parse, prompt_ids
@@ -130,7 +130,7 @@ class LLMServicer:
 
     async def _to_domain(self, req: llm_pb2.GenerateRequest, backend: Backend) -> GenerateRequest:
         request_id, sampling = check_fields(req)  # cheap checks first
-        salt = validation.cache_salt(req)
+        salt = interceptors.cache_salt(validation.cache_salt(req))
         backend.check_capacity()  # do not tokenize what the queue would refuse anyway
         limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
         ids = await self.off_loop(prompt_ids, req, backend.tokenizer, limits)
