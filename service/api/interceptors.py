@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 from collections.abc import Sequence
 from contextvars import ContextVar
 from pathlib import Path
@@ -24,13 +25,16 @@ HEALTH_METHODS = (
     "/inference.GRPCInferenceService/ModelReady",
 )
 UNAUTHENTICATED = "missing or invalid bearer token"
-_SALT_KEY = b"llm.v1 cache salt per bearer token"
+# NOTE: a key per process (the prefix cache lives no longer), so a salt seen anywhere cannot be used to test guesses
+# of a token offline
+_SALT_KEY = secrets.token_bytes(32)
 # the cache salt of the tenant whose token authenticated this call ("": none); set per call by AuthInterceptor
 TENANT_SALT: ContextVar[str] = ContextVar("tenant_salt", default="")
 
 
 def token_salt(token: bytes) -> str:
-    """A tenant's cache salt: a keyed hash of its token (never the token itself), 64 hex digits."""
+    """A tenant's cache salt: an HMAC-SHA-256 of its token under this process's key (never the token), 64 hex
+    digits."""
     return hmac.new(_SALT_KEY, token, hashlib.sha256).hexdigest()
 
 
