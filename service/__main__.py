@@ -138,7 +138,19 @@ FLAGS = (
     Flag("--tls-cert", "tls_cert", "server certificate (PEM); enables TLS"),
     Flag("--tls-key", "tls_key", "server private key (PEM)"),
     Flag("--tls-client-ca", "tls_client_ca", "CA (PEM) that client certificates must chain to; enables mutual TLS"),
-    Flag("--auth-token-file", "auth_token_file", "file holding a bearer token every RPC but health must send"),
+    Flag(
+        "--auth-token-file",
+        "auth_token_file",
+        "file of the bearer tokens (one per line; blank lines and # comments ignored), one of which every RPC but "
+        "health must send",
+    ),
+    Flag(
+        "--cache-salt-per-token",
+        "cache_salt_per_token",
+        "salt each request's prefix cache by the bearer token it sent (a keyed hash of it, joined with any "
+        "cache_salt): clients with different tokens never share prefix KV blocks",
+        bool,
+    ),
     Flag("--max-message-bytes", "max_message_bytes", "largest request or response message", int),
     Flag(
         "--max-concurrent-rpcs",

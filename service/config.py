@@ -90,7 +90,8 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None  # require and verify client certificates (mutual TLS)
-    auth_token_file: str | None = None
+    auth_token_file: str | None = None  # bearer tokens, one per line
+    cache_salt_per_token: bool = False  # each token's requests share prefix KV blocks only among themselves
     max_message_bytes: int = 4 * 1024 * 1024
     max_concurrent_rpcs: int = 1024  # LLM RPCs in flight at most (health and reflection never count)
     keepalive_time_s: float = 30.0

@@ -192,6 +192,7 @@ class Request:
     __slots__ = (
         "all_token_ids",
         "arrival_time",
+        "cache_salt",
         "detokenizer",
         "eos_token_ids",
         "finish_reason",
@@ -219,6 +220,7 @@ class Request:
         arrival_time: float,
         priority: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
+        cache_salt: str = "",
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -228,6 +230,7 @@ class Request:
         self.priority = priority  # lower value = served first (vLLM convention)
         self.arrival_time = arrival_time
         self.eos_token_ids = eos_token_ids
+        self.cache_salt = cache_salt  # prefix KV blocks are shared only among requests with the same salt
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first scheduling
@@ -271,3 +274,6 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
+    # prefix KV blocks are shared only among requests with the same salt ("": no salt, shared by all unsalted
+    # requests); the client's cache_salt, joined with its tenant's under --cache-salt-per-token
+    cache_salt: str = ""

@@ -24,6 +24,7 @@ def make_request(
     max_tokens: int = 8,
     priority: int = 0,
     arrival: float | None = None,
+    cache_salt: str = "",
     **sampling: object,
 ) -> Request:
     # an int prompt gets tokens no other request shares (so no accidental prefix-cache hits)
@@ -36,6 +37,7 @@ def make_request(
         arrival_time=fake_clock() if arrival is None else arrival,
         priority=priority,
         eos_token_ids=frozenset({2}),
+        cache_salt=cache_salt,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from service.engine.block_pool import BlockPool
-from service.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
+from service.engine.kv_cache_manager import KVCacheManager, hash_block_tokens, salt_root
 from tests.factories import make_request
 
 
@@ -50,6 +50,14 @@ def test_chained_hash_depends_on_the_whole_prefix() -> None:
     h1 = hash_block_tokens(None, [1, 2, 3, 4])
     assert hash_block_tokens(h1, [5, 6, 7, 8]) != hash_block_tokens(hash_block_tokens(None, [9, 2, 3, 4]), [5, 6, 7, 8])
     assert hash_block_tokens(None, [1, 2, 3, 4]) == h1
+
+
+def test_salt_roots_are_their_own_chains() -> None:
+    assert salt_root("") is None  # no salt: today's shared root
+    assert salt_root("a") == salt_root("a") != salt_root("b")
+    tokens = [1, 2, 3, 4]
+    assert len({hash_block_tokens(None, tokens), hash_block_tokens(salt_root("a"), tokens),
+                hash_block_tokens(salt_root("b"), tokens)}) == 3  # fmt: skip
 
 
 def _manager(num_blocks: int = 10, block_size: int = 4, caching: bool = True) -> KVCacheManager:
@@ -117,3 +125,26 @@ def test_no_prefix_caching() -> None:
     kv.allocate_slots(a, 12)
     a.num_computed_tokens = 12
     assert kv.get_computed_blocks(make_request("b", list(range(12)))) == ([], 0)
+
+
+def _cached_prefix(kv: KVCacheManager, req_id: str, prompt: list[int], salt: str = "") -> list[int]:
+    blocks, _ = kv.get_computed_blocks(make_request(req_id, prompt, cache_salt=salt))
+    return [b.block_id for b in blocks]
+
+
+def test_prefix_blocks_are_shared_only_under_the_same_salt() -> None:
+    kv = _manager()
+    prompt = list(range(12))  # 3 full blocks; a lookup reuses at most 2 (the last token is recomputed)
+    a = make_request("a", prompt, cache_salt="tenant-a")
+    kv.allocate_slots(a, 12)
+    a.num_computed_tokens = 12
+    assert _cached_prefix(kv, "b", prompt, "tenant-b") == []  # same tokens, another salt: no block in common
+    assert _cached_prefix(kv, "c", prompt) == []  # nor without a salt
+    assert _cached_prefix(kv, "d", prompt, "tenant-a") == [0, 1]  # the same salt shares
+    u = make_request("u", prompt)  # unsalted requests share among themselves, as before
+    new = kv.allocate_slots(u, 12)
+    assert [x.block_id for x in new] == [3, 4, 5] and kv.pool.num_free_blocks == 4
+    u.num_computed_tokens = 12
+    assert _cached_prefix(kv, "v", prompt) == [3, 4]
+    assert _cached_prefix(kv, "w", prompt, "tenant-a") == [0, 1]
+    assert [kv.pool.blocks[i].ref_cnt for i in range(6)] == [1, 1, 1, 1, 1, 1]  # lookups took no reference

@@ -163,6 +163,24 @@ def test_prefix_cache_hit_on_admission() -> None:
     assert s.requests["b"].num_cached_tokens == 12
 
 
+def test_prefix_cache_follows_the_salt() -> None:
+    s = make_scheduler(num_blocks=16, max_num_batched_tokens=32)
+    prompt = list(range(13))
+    s.add_request(make_request("a", prompt, max_tokens=2, cache_salt="x"))
+    run_step(s)
+    a_blocks = s.kv.block_ids("a")[:3]  # its full prompt blocks, cached under salt "x"
+    s.add_request(make_request("other", prompt, max_tokens=2, cache_salt="y"))
+    s.add_request(make_request("plain", prompt, max_tokens=2))
+    out = run_step(s)
+    for req_id in ("other", "plain"):  # another salt, or none: the whole prompt is computed, in blocks of its own
+        assert out.num_scheduled_tokens[req_id] == 13 and s.requests[req_id].num_cached_tokens == 0
+        assert not set(s.kv.block_ids(req_id)) & set(a_blocks)
+    s.add_request(make_request("same", prompt, max_tokens=2, cache_salt="x"))
+    out = run_step(s)
+    assert out.num_scheduled_tokens["same"] == 1 and s.requests["same"].num_cached_tokens == 12
+    assert s.kv.block_ids("same")[:3] == a_blocks
+
+
 def test_invariants_hold_under_random_load() -> None:
     import random
 

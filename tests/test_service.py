@@ -173,6 +173,7 @@ VALIDATION = {
     "empty chat": (llm_pb2.GenerateRequest(messages=llm_pb2.ChatMessages()), "messages.messages"),
     "bad request_id": (_with(request_id="has space"), "request_id"),
     "repetition_penalty 0": (_with(sampling__repetition_penalty=0.0), "sampling.repetition_penalty"),
+    "cache_salt 257 bytes": (_with(cache_salt="s" * 257), "cache_salt"),
 }
 
 

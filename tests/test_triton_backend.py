@@ -128,6 +128,9 @@ def test_b_reports_what_it_cannot_do(b: ServerThread) -> None:
     with pytest.raises(grpc.RpcError) as err:
         _gen(b, prompt="Hi", output=llm_pb2.OutputOptions(logprobs=0))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # Triton's models have no cache salt input: no salt is kept apart
+        _gen(b, prompt="Hi", cache_salt="tenant-a")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("cache_salt: ")
     if b.server.backend.model == "ensemble":
         assert "chunk.token_ids" in info.not_reported
         # 'h', 'e' as two ids: the ensemble's preprocessing would tokenize their text as one ('he')

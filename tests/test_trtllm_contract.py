@@ -21,7 +21,7 @@ import pytest
 from build_engine.builder import build
 from build_engine.trtllm_builder import TrtllmOptions
 from protos.llm.v1 import llm_pb2
-from service.backends.trtllm import TrtllmBackend, sampling_config
+from service.backends.trtllm import TrtllmBackend, cache_salt_id, sampling_config
 from service.config import AdmissionConfig, BackendConfig, TrtllmConfig
 from service.request import GenerateRequest, SamplingParams
 from tests.servers import generate, ids_and_text, running_server
@@ -157,6 +157,12 @@ def test_request_mapping(double, engine: Path) -> None:
         assert backend._request(GenerateRequest("b", [5], stops)).stop_words == [[9], [11]]
         ignore = backend._request(GenerateRequest("c", [5], SamplingParams(ignore_eos=True)))
         assert ignore.end_id == -1
+        assert greedy.cache_salt_id is None  # no salt: blocks reused across every unsalted request
+        salted = backend._request(GenerateRequest("d", [5], cache_salt="tenant-a"))
+        assert salted.cache_salt_id == cache_salt_id("tenant-a") == 0xE17EC77DAF07A780  # stable across processes
+        assert backend._request(GenerateRequest("e", [5], cache_salt="tenant-b")).cache_salt_id != salted.cache_salt_id
+        with pytest.raises(TypeError, match="cache_salt_id"):
+            double.executor.Request([5], 4, cache_salt_id=-1)  # a uint64, as nanobind converts it
     finally:
         backend.executor.shutdown()
     sampled = sampling_config(ex, SamplingParams(temperature=0.7))
@@ -170,6 +176,33 @@ def test_request_mapping(double, engine: Path) -> None:
         ex, SamplingParams(temperature=0, repetition_penalty=1.2, min_tokens=2, frequency_penalty=0.5)
     )
     assert (pens.repetition_penalty, pens.min_tokens, pens.frequency_penalty, pens.top_k) == (1.2, 2, 0.5, 1)
+
+
+def test_kv_block_reuse_follows_the_cache_salt(double, engine: Path) -> None:
+    prompt = list(range(5, 5 + 40))  # two full 16-token blocks and a partial one
+
+    async def main() -> list[tuple[str, int]]:
+        backend = TrtllmBackend(BackendConfig(engine_dir=str(engine)))
+        backend.start(lambda healthy: None, lambda reason: None)
+        core, seen = backend.executor.core, []
+        enqueue = core.enqueue
+
+        def spy(gen, req_id, arrival_time=None):  # the double's engine: what it was given, what it reused
+            req = enqueue(gen, req_id, arrival_time)
+            seen.append((gen.cache_salt, req))
+            return req
+
+        core.enqueue = spy
+        for salt in ("a", "b", "", "a", ""):
+            sampling = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+            [o async for o in backend.generate(GenerateRequest("x", prompt, sampling, cache_salt=salt))]
+        await backend.shutdown(2)
+        return [(salt, req.num_cached_tokens) for salt, req in seen]
+
+    runs = asyncio.run(main())
+    assert [cached for _, cached in runs] == [0, 0, 0, 32, 32]  # shared only with an earlier request's salt
+    assert runs[0][0] == runs[3][0] != runs[1][0] and runs[2][0] == runs[4][0] == ""
+    assert runs[0][0] == f"trtllm-salt-{cache_salt_id('a')}"  # the executor saw the id, not the salt
 
 
 def test_perf_metrics_become_timing() -> None:
@@ -373,6 +406,7 @@ def test_everything_our_code_touches_exists_in_the_real_surface(double, engine: 
     unknown = sorted(n for n in touched if n not in known_names())
     assert not unknown, f"not in the 1.2 surface nor the allow-list: {unknown}"
     expected = {"tensorrt_llm.bindings.executor.Request(stop_words=)", "tensorrt_llm.BuildConfig(plugin_config=)",
+                "tensorrt_llm.bindings.executor.Request(cache_salt_id=)",
                 "tensorrt_llm.Mapping(tp_size=)", "tensorrt_llm.models.modeling_utils.QuantConfig(quant_algo=)",
                 "tensorrt_llm.bindings.executor.Executor.cancel_request",
                 "tensorrt_llm.bindings.executor.Executor.get_latest_iteration_stats",

@@ -20,7 +20,7 @@ from prometheus_client import start_http_server
 
 from protos.llm.v1 import llm_pb2
 from service.api.health import DrainingHealthServicer
-from service.api.interceptors import AuthInterceptor, read_token
+from service.api.interceptors import AuthInterceptor, read_tokens
 from service.api.metrics import ServiceMetrics
 from service.api.servicer import LLMServicer
 from service.api.validation import transport_limit
@@ -45,6 +45,16 @@ def _credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
     pair = (Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())
     ca = Path(cfg.tls_client_ca).read_bytes() if cfg.tls_client_ca else None
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _interceptors(cfg: ServerConfig) -> list[grpc.aio.ServerInterceptor]:
+    if cfg.cache_salt_per_token and not cfg.auth_token_file:
+        raise ValueError("--cache-salt-per-token needs --auth-token-file: the salt comes from each client's token")
+    if cfg.cache_salt_per_token and cfg.backend.backend == "triton":
+        raise ValueError("--cache-salt-per-token: the triton backend cannot pass a cache salt to the Triton server")
+    if not cfg.auth_token_file:
+        return []
+    return [AuthInterceptor(read_tokens(cfg.auth_token_file), salt_per_token=cfg.cache_salt_per_token)]
 
 
 class LLMServer:
@@ -110,9 +120,8 @@ class LLMServer:
 
     def _new_server(self) -> grpc.aio.Server:
         cfg = self.cfg
-        interceptors = [AuthInterceptor(read_token(cfg.auth_token_file))] if cfg.auth_token_file else []
         return grpc.aio.server(
-            interceptors=interceptors,
+            interceptors=_interceptors(cfg),
             options=[
                 ("grpc.so_reuseport", 0),  # gRPC's default would let a second server share the port
                 ("grpc.max_receive_message_length", transport_limit(cfg.max_message_bytes)),  # parse() checks

@@ -18,6 +18,7 @@ import grpc
 from google.protobuf.message import Message
 
 from protos.llm.v1 import llm_pb2
+from service.api import interceptors, validation
 from service.api.metrics import ServiceMetrics
 from service.api.status import status_for, unary_errors
 from service.api.validation import TextLimits, chat_messages, check_fields, parse, prompt_ids
@@ -129,10 +130,13 @@ class LLMServicer:
 
     async def _to_domain(self, req: llm_pb2.GenerateRequest, backend: Backend) -> GenerateRequest:
         request_id, sampling = check_fields(req)  # cheap checks first
+        salt = interceptors.cache_salt(validation.cache_salt(req))
         backend.check_capacity()  # do not tokenize what the queue would refuse anyway
         limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
         ids = await self.off_loop(prompt_ids, req, backend.tokenizer, limits)
-        return GenerateRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling, priority=req.priority)
+        return GenerateRequest(
+            request_id=request_id, prompt_token_ids=ids, sampling=sampling, priority=req.priority, cache_salt=salt
+        )
 
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateResponse]:
         request_id: str | None = None

@@ -20,6 +20,7 @@ from service.tokenizer import ChatTemplateError, Tokenizer
 
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 MAX_CHAT_MESSAGES = 1024
+MAX_CACHE_SALT_BYTES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +191,14 @@ def prompt_ids(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, limits: TextL
     if not ids:
         raise InvalidRequest(f"{kind} is empty")
     return ids  # whether prompt + max_tokens fits is checked once, by the backend on admission
+
+
+def cache_salt(req: llm_pb2.GenerateRequest) -> str:
+    """The client's cache salt ("" when unset), size-checked."""
+    size = len(req.cache_salt.encode())
+    if size > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequest(f"cache_salt allows at most {MAX_CACHE_SALT_BYTES} bytes, got {size}")
+    return req.cache_salt
 
 
 def check_fields(req: llm_pb2.GenerateRequest) -> tuple[str, SamplingParams]:

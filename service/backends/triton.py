@@ -321,6 +321,11 @@ class TritonBackend(BackendRuntime):
             raise InvalidRequest("sampling.min_p: TensorRT-LLM's Triton models have no min_p input")
         if gen.priority:
             raise InvalidRequest("priority: the triton backend sends every request at priority 0")
+        if gen.cache_salt:
+            raise InvalidRequest(
+                "cache_salt: TensorRT-LLM's Triton models have no cache salt input, so the triton backend cannot "
+                "keep this request's prefix blocks apart (serve the Triton model without KV block reuse instead)"
+            )
         if self.model == "ensemble":
             if p.stop_token_ids:
                 raise InvalidRequest(

@@ -10,6 +10,7 @@ it and its responses back, the way Triton's own Python model drives it:
 - cancel_request on client cancel, deadline and drain; aborts and routing use the executor's request ids;
 - perf metrics (arrival, first scheduled, first token, last token) become the same Timing as the native
   engine's (docs/timing.md); iteration stats feed the KV and batch gauges;
+- a request's cache salt becomes the executor's cache_salt_id, so KV blocks are reused only under one salt;
 - the failure policy of the seam: a dead executor fails every stream, then exit (default) or recover (a new
   Executor on the same engine).
 tensorrt_llm is imported lazily, inside this module only.
@@ -18,6 +19,7 @@ tensorrt_llm is imported lazily, inside this module only.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib
 import json
 import logging
@@ -105,6 +107,14 @@ def sampling_config(trt: ModuleType, p: SamplingParams) -> Any:
     if p.frequency_penalty:
         kw["frequency_penalty"] = p.frequency_penalty
     return trt.SamplingConfig(beam_width=1, **kw)
+
+
+def cache_salt_id(cache_salt: str) -> int | None:
+    """TensorRT-LLM's cache_salt_id (a uint64: blocks are reused only under the same id) of our salt: the first
+    8 bytes of its SHA-256, unsigned; None without a salt (blocks shared by every unsalted request)."""
+    if not cache_salt:
+        return None
+    return int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "little")
 
 
 def check_supported(gen: GenerateRequest) -> None:
@@ -301,6 +311,7 @@ class TrtllmBackend(BackendRuntime):
             end_id=-1 if p.ignore_eos else self.end_id,  # -1: TensorRT-LLM never stops on an end id
             pad_id=self.pad_id,
             stop_words=stop_words or None,
+            cache_salt_id=cache_salt_id(gen.cache_salt),
         )
 
     def abort(self, req_id: str) -> None:

@@ -104,6 +104,7 @@ class EngineCore:
             arrival_time=self.clock() if arrival_time is None else arrival_time,
             priority=gen.priority,
             eos_token_ids=self.eos_token_ids,
+            cache_salt=gen.cache_salt,
         )
         self.scheduler.add_request(req)
         self.outputs.add(req)

@@ -17,6 +17,14 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
     return h.digest()
 
 
+def salt_root(cache_salt: str) -> bytes | None:
+    """The parent hash of a request's first block: None (the shared root) without a salt, else one of the salt's
+    own, so that requests under different salts never have a block hash in common (vLLM's cache_salt)."""
+    if not cache_salt:
+        return None
+    return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"cache_salt").digest()
+
+
 class KVCacheManager:
     """Gives requests KV slots; "does not fit" is a None, never an exception."""
 
@@ -32,7 +40,8 @@ class KVCacheManager:
         bs = self.block_size
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, req.all_token_ids[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else salt_root(req.cache_salt)
+            hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs : (i + 1) * bs]))
         return hashes
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:

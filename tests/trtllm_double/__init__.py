@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tests.trtllm_double.build import EngineDouble, LLaMAForCausalLMDouble, MappingDouble, build_double
-from tests.trtllm_double.executor import ExecutorDouble, ResponseDouble
+from tests.trtllm_double.executor import ExecutorDouble, RequestDouble, ResponseDouble
 from tests.trtllm_double.surface import (
     RECORDER,
     SURFACE,
@@ -35,6 +35,7 @@ from tests.trtllm_double.surface import (
 VERSION = "1.2.1"
 BEHAVIOUR = {  # JSON classes whose behaviour the double implements
     "tensorrt_llm.bindings.executor.Executor": ExecutorDouble,
+    "tensorrt_llm.bindings.executor.Request": RequestDouble,
     "tensorrt_llm.bindings.executor.Response": ResponseDouble,
     "tensorrt_llm.models.LLaMAForCausalLM": LLaMAForCausalLMDouble,
     "tensorrt_llm.builder.Engine": EngineDouble,

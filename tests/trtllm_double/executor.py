@@ -6,7 +6,8 @@ build wrote); await_responses(timeout) hands back Response objects whose Result 
 (streaming: deltas), is_final, finish_reasons and, with return_perf_metrics, TimingMetrics as timedeltas on
 the steady clock; cancel_request ends a request with FinishReason.CANCELLED; get_latest_iteration_stats
 returns the iterations since the last call. TensorRT-LLM's sampling rule is kept too: greedy whenever top_k
-is unset/0/1 and top_p unset/0, whatever the temperature.
+is unset/0/1 and top_p unset/0, whatever the temperature. A request's cache_salt_id salts its prefix blocks in the
+engine underneath, so KV block reuse follows the salt as it does in TensorRT-LLM.
 
 Test hooks (not TensorRT-LLM API): fail_next_request(message) makes the next enqueued request come back as an
 error response; crash() makes await_responses raise, as a dead executor would.
@@ -163,8 +164,9 @@ class ExecutorDouble(SurfaceObject):
                 adds, s["adds"] = s["adds"], []
                 cancels, s["cancels"] = s["cancels"], set()
             for rid, request, arrival in adds:
-                req = core.enqueue(GenerateRequest(str(rid), list(request.input_token_ids), self._sampling(request)),
-                                   str(rid), arrival)  # fmt: skip
+                salt = "" if request.cache_salt_id is None else f"trtllm-salt-{request.cache_salt_id}"
+                gen = GenerateRequest(str(rid), list(request.input_token_ids), self._sampling(request), cache_salt=salt)
+                req = core.enqueue(gen, str(rid), arrival)
                 if request.end_id is not None and request.end_id >= 0:
                     req.eos_token_ids = frozenset({request.end_id})
                 s["live"][rid] = (request, arrival, req)
@@ -231,6 +233,16 @@ class ExecutorDouble(SurfaceObject):
             kv_cache_stats=kv,
             inflight_batching_stats=ifb,
         )
+
+
+class RequestDouble(SurfaceObject):
+    """bindings.executor.Request: cache_salt_id converts as nanobind converts a std::optional<uint64_t>."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        salt = self.cache_salt_id
+        if salt is not None and (type(salt) is not int or not 0 <= salt < 2**64):
+            raise TypeError(f"Request(cache_salt_id=...) takes None or an int in [0, 2^64), got {salt!r}")
 
 
 class ResponseDouble(SurfaceObject):

@@ -33,6 +33,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 
+from service.api.interceptors import cache_salt
 from service.api.servicer import DEADLINE_SLACK_S, LLMServicer
 from service.api.status import status_for, unary_errors
 from service.api.triton.configs import model_config, model_metadata
@@ -347,7 +348,7 @@ class TritonServicer(GRPCInferenceServiceServicer):
         """Generate, yielding the responses (closing this generator aborts the request in the backend)."""
         ids = await self._prompt_ids(call, backend)
         request_id = call.client_id if REQUEST_ID.fullmatch(call.client_id) else f"triton-{uuid.uuid4().hex}"
-        gen = GenerateRequest(request_id=request_id, prompt_token_ids=ids, sampling=call.sampling)
+        gen = GenerateRequest(request_id, ids, call.sampling, cache_salt=cache_salt())  # the tenant's, if any
         progress.responder = responder = _Responder(call, ids, time.monotonic_ns(), unary, empty_final)
         try:
             async with contextlib.aclosing(backend.generate(gen)) as outputs:
