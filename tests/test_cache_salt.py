@@ -21,6 +21,8 @@ from service.api.interceptors import TENANT_SALT, AuthInterceptor, cache_salt, r
 from tests.engines import build_tiny
 from tests.servers import ServerThread, generate, make_config, running_server
 
+pytestmark = pytest.mark.server
+
 SECRET = "{} is the condition code of patient Jane Doe, admitted on Monday to ward 3."  # the code: first block
 TOKENS = "# tenants of this server\nalpha-token\n\n  beta-token  \n# retired: gamma-token\n"
 
