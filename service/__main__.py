@@ -158,6 +158,40 @@ FLAGS = (
         "LLM RPCs in flight at most (beyond: RESOURCE_EXHAUSTED; health and reflection never count)",
         int,
     ),
+    Flag(
+        "--max-rpcs-per-connection",
+        "max_rpcs_per_connection",
+        "of those, on one client connection (-1: half of --max-concurrent-rpcs); the connection's HTTP/2 streams "
+        "are capped at this plus a few for health checks",
+        int,
+        none_below_zero=True,
+    ),
+    Flag(
+        "--stream-stall-timeout",
+        "stream_stall_timeout_s",
+        "seconds a stream's next response may wait for its client to read before the stream is ended (its requests "
+        "aborted)",
+        float,
+    ),
+    Flag(
+        "--max-requests-per-stream",
+        "max_requests_per_stream",
+        "requests in flight on one Triton ModelStreamInfer stream (beyond, the server stops reading it until some end)",
+        int,
+    ),
+    Flag(
+        "--tokenize-backlog",
+        "tokenize_backlog",
+        "text being tokenized at most, server-wide, in largest prompts (ModelInfo.max_text_bytes); beyond: "
+        "RESOURCE_EXHAUSTED",
+        float,
+    ),
+    Flag(
+        "--tokenize-backlog-per-connection",
+        "tokenize_backlog_per_connection",
+        "the same, per client connection",
+        float,
+    ),
     Flag("--keepalive-time", "keepalive_time_s", "seconds between server keepalive pings on idle connections", float),
     Flag(
         "--keepalive-timeout",

@@ -94,11 +94,26 @@ class ServerConfig:
     cache_salt_per_token: bool = False  # each token's requests share prefix KV blocks only among themselves
     max_message_bytes: int = 4 * 1024 * 1024
     max_concurrent_rpcs: int = 1024  # LLM RPCs in flight at most (health and reflection never count)
+    max_rpcs_per_connection: int | None = None  # of those, on one client connection; None: half of them
+    stream_stall_timeout_s: float = 30.0  # a stream whose client takes no response for this long is ended
+    max_requests_per_stream: int = 128  # requests in flight on one Triton stream (beyond, it stops reading)
+    tokenize_backlog: float = 4.0  # text being tokenized at most, in largest prompts (max_text_bytes)
+    tokenize_backlog_per_connection: float = 1.0  # the same, per client connection
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
     log_prompts: bool = False
     reflection: bool = True
     measure_ceilings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent_rpcs < 1 or (
+            self.max_rpcs_per_connection is not None and self.max_rpcs_per_connection < 1
+        ):
+            raise ValueError("max_concurrent_rpcs and max_rpcs_per_connection must be >= 1")
+        if self.stream_stall_timeout_s <= 0 or self.max_requests_per_stream < 1:
+            raise ValueError("stream_stall_timeout_s must be > 0 and max_requests_per_stream >= 1")
+        if self.tokenize_backlog < 1 or self.tokenize_backlog_per_connection < 1:
+            raise ValueError("tokenize_backlog and tokenize_backlog_per_connection must be >= 1 (largest prompts)")
 
 
 def replace_path(cfg: object, path: str, value: object) -> object:

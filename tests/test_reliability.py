@@ -146,10 +146,10 @@ def test_slow_tokenization_does_not_block_health(server: ServerThread, monkeypat
     real = tokenizer.encode
     entered, release = threading.Event(), threading.Event()
 
-    def stuck_encode(text: str, add_special_tokens: bool = True) -> list[int]:
+    def stuck_encode(text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         entered.set()
         release.wait(30)  # holds the calling thread, as a huge prompt would, until the test has looked
-        return real(text, add_special_tokens)
+        return real(text, add_special_tokens, max_tokens)
 
     monkeypatch.setattr(tokenizer, "encode", stuck_encode)
     stub = server.stub()
@@ -169,7 +169,7 @@ def test_slow_tokenization_does_not_block_health(server: ServerThread, monkeypat
 
 
 def test_health_answers_when_the_rpc_limit_is_taken(engine_dir: Path) -> None:
-    with running_server(engine_dir, max_concurrent_rpcs=2) as srv, srv.paced() as paced:
+    with running_server(engine_dir, max_concurrent_rpcs=2, max_rpcs_per_connection=2) as srv, srv.paced() as paced:
         stub = srv.stub()
         streams = [stub.Generate(_req(prompt=f"long {i}", max_tokens=900)) for i in range(2)]
         for s in streams:
@@ -255,7 +255,7 @@ def test_drain_timeout_cuts_streams_with_aborted_or_unavailable(engine_dir: Path
             queued = pool.submit(lambda: _tokens(stub, _req(prompt="queued", max_tokens=10)))
             wait_until(lambda: srv.server.backend.num_in_flight == 2, "the second request admitted")
             drain = asyncio.run_coroutine_threadsafe(srv.server.drain_and_stop(0.3), srv.loop)
-            wait_until(lambda: srv.server.servicer.cut, "the drain timeout")
+            wait_until(lambda: srv.server.edge.cut, "the drain timeout")
             paced.release()  # the engine applies the aborts
             drain.result(timeout=30)
             with pytest.raises(grpc.RpcError) as err:

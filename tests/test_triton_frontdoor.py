@@ -448,7 +448,7 @@ def test_empty_final_response_only_when_asked(url: str) -> None:
 
 
 def test_rpc_limit_covers_triton_requests(engine_dir: Path) -> None:
-    with running_server(engine_dir, triton_port=0, max_concurrent_rpcs=2) as srv:
+    with running_server(engine_dir, triton_port=0, max_concurrent_rpcs=2, max_rpcs_per_connection=2) as srv:
         url = f"127.0.0.1:{srv.server.triton_port}"
         s = Streamer(url)
         try:

@@ -359,7 +359,7 @@ def test_drain_cut_cancels_in_the_executor(double, engine: Path) -> None:
         next(call)
         paced.hold()  # it cannot finish before the drain timeout, on any machine
         drain = asyncio.run_coroutine_threadsafe(srv.server.drain_and_stop(0.2), srv.loop)
-        wait_until(lambda: srv.server.servicer.cut, "the drain timeout")
+        wait_until(lambda: srv.server.edge.cut, "the drain timeout")
         paced.release()
         drain.result(timeout=30)
         with pytest.raises(grpc.RpcError) as err:

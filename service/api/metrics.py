@@ -7,6 +7,7 @@ servicer when an RPC ends (requests by final status code). Names follow vLLM's, 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
@@ -82,6 +83,12 @@ class ServiceMetrics:
             ["model", "code"],
             registry=r,
         )
+        self.stalled_streams = Counter(
+            "llm_streams_stalled",
+            "Streams ended because their client took no response for --stream-stall-timeout seconds.",
+            registry=r,
+        )
+        self.rpc_slots = Gauge("llm_rpc_slots_used", "RPC slots held by requests in progress.", registry=r)
         # the process: resident memory, open fds, CPU (process_*), and threads and event-loop tasks, which a
         # leak would grow (the soak test reads these)
         ProcessCollector(registry=r)
@@ -142,6 +149,12 @@ class ServiceMetrics:
             self.tpot.observe(t.tpot_ms / 1e3)
         for gap in t.itl_ms:
             self.itl.observe(gap / 1e3)
+
+    def stream_stalled(self) -> None:
+        self.stalled_streams.inc()
+
+    def watch_slots(self, used: Callable[[], int]) -> None:
+        self.rpc_slots.set_function(used)
 
     def rpc_finished(self, code: str) -> None:
         self.requests.labels(code).inc()

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from protos.llm.v1 import llm_pb2
+from service.api.edge import Edge
 from service.api.health import DrainingHealthServicer
 from service.api.interceptors import AuthInterceptor, read_tokens
 from service.api.metrics import ServiceMetrics
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 CUT_GRACE_S = 2.0  # after the drain timeout, how long aborted streams get to send their final status
+STREAMS_FOR_HEALTH = 16  # streams a connection may open beyond its RPC slots (health, reflection)
 
 
 def _credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
@@ -63,9 +65,9 @@ class LLMServer:
         self.metrics = ServiceMetrics()
         self.backend: Backend | None = None  # set once loaded and warmed up
         self.health = DrainingHealthServicer()
-        self.servicer = LLMServicer(
-            lambda: self.backend, self.metrics, cfg.max_concurrent_rpcs, cfg.log_prompts, cfg.max_message_bytes
-        )
+        self.edge = Edge(cfg, lambda: self.backend, self.metrics.stream_stalled)
+        self.servicer = LLMServicer(self.edge, self.metrics, cfg.log_prompts)
+        self.metrics.watch_slots(lambda: self.edge.num_active)
         self._server: grpc.aio.Server | None = None
         self._triton_server: grpc.aio.Server | None = None
         self.triton_servicer = None  # the Triton front door's servicer, with --triton-port
@@ -130,14 +132,15 @@ class LLMServer:
                 ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
                 ("grpc.http2.max_ping_strikes", 2),
-                ("grpc.max_concurrent_streams", 1000),
+                # streams per client connection: its share of the RPC slots, plus room for health checks
+                ("grpc.max_concurrent_streams", self.edge.max_rpcs_per_connection + STREAMS_FOR_HEALTH),
             ],
         )
 
     def _triton_servicer(self):
         from service.api.triton.servicer import TritonServicer  # tritonclient: only with --triton-port
 
-        self.triton_servicer = TritonServicer(self.servicer)
+        self.triton_servicer = TritonServicer(self.edge, self.metrics, self.cfg.max_requests_per_stream)
         return self.triton_servicer
 
     def _start_metrics(self) -> None:
@@ -231,7 +234,7 @@ class LLMServer:
         await self.health.enter_graceful_shutdown()
         if self.backend is not None:
             self.backend.stop_accepting()
-        self.servicer.draining = True  # an RPC still arriving on an old connection gets UNAVAILABLE
+        self.edge.draining = True  # an RPC still arriving on an old connection gets UNAVAILABLE
         loop = asyncio.get_running_loop()
         stopping = []
         if self.triton_servicer is not None:
@@ -244,15 +247,15 @@ class LLMServer:
                 # it returns once every RPC is done
                 stopping.append(asyncio.ensure_future(server.stop(timeout + CUT_GRACE_S + 1)))
         deadline = loop.time() + timeout
-        while self.servicer.num_active and loop.time() < deadline and not self._force:
+        while self.edge.num_active and loop.time() < deadline and not self._force:
             await asyncio.sleep(0.02)
-        if self.servicer.num_active:  # the drain timeout: end what still runs, with a status that says so
-            logger.warning("drain timeout: ending %d RPCs still in flight", self.servicer.num_active)
-            self.servicer.cut = True
+        if self.edge.num_active:  # the drain timeout: end what still runs, with a status that says so
+            logger.warning("drain timeout: ending %d RPCs still in flight", self.edge.num_active)
+            self.edge.cut = True
             if self.backend is not None:
                 self.backend.abort_all()
             cut_deadline = loop.time() + CUT_GRACE_S
-            while self.servicer.num_active and loop.time() < cut_deadline:
+            while self.edge.num_active and loop.time() < cut_deadline:
                 await asyncio.sleep(0.01)
         for stop in stopping:
             await stop
@@ -260,7 +263,7 @@ class LLMServer:
             await self.backend.shutdown(timeout=0.5 if self.fatal else 5.0)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
-        self.servicer.close()
+        self.edge.close()
         logger.info("stopped")
 
     def force_stop(self) -> None:

@@ -10,27 +10,23 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from collections.abc import AsyncIterator
 
 import grpc
-from google.protobuf.message import Message
 
 from protos.llm.v1 import llm_pb2
 from service.api import interceptors, validation
+from service.api.edge import Edge
 from service.api.metrics import ServiceMetrics
 from service.api.status import status_for, unary_errors
-from service.api.validation import TextLimits, chat_messages, check_fields, parse, prompt_ids
+from service.api.validation import PromptInput, TextLimits, check_fields, prompt_ids, prompt_input
 from service.backends.base import Backend, BackendInfo
-from service.errors import DeadlineExceeded, EngineUnavailable, InvalidRequest, Overloaded, ServerShutdown
+from service.errors import DeadlineExceeded, InvalidRequest, ServerShutdown
 from service.request import GenerateRequest, RequestOutput
-from service.tokenizer import ChatTemplateError, Tokenizer
+from service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
-TOKENIZER_THREADS = 2
 DEADLINE_SLACK_S = 0.01  # a cancellation this close to the client's deadline is the deadline
 
 FINISH_REASONS = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_LENGTH}
@@ -77,63 +73,21 @@ def _complete(request_id: str, out: RequestOutput, completion_tokens: int) -> ll
 
 
 class LLMServicer:
-    def __init__(
-        self,
-        backend_getter: Callable[[], Backend | None],
-        metrics: ServiceMetrics,
-        max_active_rpcs: int = 1024,
-        log_prompts: bool = False,
-        max_message_bytes: int | None = None,
-    ) -> None:
-        self._backend = backend_getter  # None until the backend has loaded and warmed up
+    def __init__(self, edge: Edge, metrics: ServiceMetrics, log_prompts: bool = False) -> None:
+        self.edge = edge  # slots, drain state, the stall watch, parsing and tokenization: shared by the front doors
         self.metrics = metrics
-        self.max_active_rpcs = max_active_rpcs  # LLM RPCs in flight at most; health and reflection never count
         self.log_prompts = log_prompts
-        self.max_message_bytes = max_message_bytes  # request messages larger than this are RESOURCE_EXHAUSTED
-        self.num_active = 0  # LLM RPCs in progress (the drain waits for them)
-        self.draining = False  # set on shutdown: new RPCs get UNAVAILABLE
-        self.cut = False  # set at the drain timeout: streams still running end with ServerShutdown
-        # tokenization and chat rendering run here, never on the event loop (a huge prompt takes seconds)
-        self._pool = ThreadPoolExecutor(max_workers=TOKENIZER_THREADS, thread_name_prefix="tokenize")
 
-    def parse(self, message_type: type[Message], raw: bytes) -> Message:
-        """A request message of this server (size-checked, then parsed: service/api/validation.py)."""
-        return parse(message_type, raw, self.max_message_bytes)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-    @contextlib.contextmanager
-    def slot(self) -> Iterator[None]:
-        """One LLM RPC in flight (the Triton front door takes one per inference request)."""
-        # NOTE: gRPC core's maximum_concurrent_rpcs would also refuse health checks, so the limit lives here.
-        if self.num_active >= self.max_active_rpcs:
-            raise Overloaded(f"too many RPCs in flight (limit {self.max_active_rpcs}); retry later")
-        self.num_active += 1
-        try:
-            yield
-        finally:
-            self.num_active -= 1
-
-    def ready(self) -> Backend:
-        """The backend, or EngineUnavailable while loading or draining."""
-        if self.draining:
-            raise EngineUnavailable("the server is shutting down")
-        backend = self._backend()
-        if backend is None:
-            raise EngineUnavailable("the engine is still loading")
-        return backend
-
-    async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
-        """Run tokenization-sized work in the servicer's small pool, never on the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    async def _to_domain(self, req: llm_pb2.GenerateRequest, backend: Backend) -> GenerateRequest:
+    async def _to_domain(self, req: llm_pb2.GenerateRequest, backend: Backend, peer: str) -> GenerateRequest:
         request_id, sampling = check_fields(req)  # cheap checks first
         salt = interceptors.cache_salt(validation.cache_salt(req))
         backend.check_capacity()  # do not tokenize what the queue would refuse anyway
         limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
-        ids = await self.off_loop(prompt_ids, req, backend.tokenizer, limits)
+        prompt = prompt_input(req, limits)
+        ids = await self.edge.tokenize(
+            peer, prompt.num_bytes, limits,
+            prompt_ids, prompt, backend.tokenizer, sampling.max_tokens, backend.info.max_seq_len,
+        )  # fmt: skip
         return GenerateRequest(
             request_id=request_id, prompt_token_ids=ids, sampling=sampling, priority=req.priority, cache_salt=salt
         )
@@ -144,28 +98,38 @@ class LLMServicer:
         sent = 0
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
+        peer = context.peer()
+        writes = None
         try:
-            with self.slot():
-                backend = self.ready()
-                gen = await self._to_domain(self.parse(llm_pb2.GenerateRequest, raw), backend)
+            with self.edge.slot(peer) as slot, self.edge.watch_writes(context) as writes:
+                backend = self.edge.ready()
+                gen = await self._to_domain(self.edge.parse(llm_pb2.GenerateRequest, raw), backend, peer)
                 request_id = gen.request_id
                 if deadline is not None and time.monotonic() >= deadline:
                     raise DeadlineExceeded("the deadline had passed before the request was queued")
                 if self.log_prompts:
                     logger.info("request %s prompt ids %s", request_id, gen.prompt_token_ids)
-                async for out in backend.generate(gen):
-                    if out.new_token_ids or out.new_text:
-                        sent += len(out.new_token_ids)
-                        yield _chunk(out)
-                    if out.finished:
-                        if out.finish_reason == "abort" and self.cut:
-                            raise ServerShutdown("the server shut down before the request finished")
-                        yield _complete(request_id, out, sent)
-                        _log_finished(request_id, out, sent)
-        except (asyncio.CancelledError, GeneratorExit):  # client gone or deadline: grpc closes the generator
+                # the slot ends with the request's work; closing `outputs` (whatever ends this handler) aborts it
+                async with contextlib.aclosing(backend.generate(gen, on_done=slot.release)) as outputs:
+                    async for out in outputs:
+                        if out.new_token_ids or out.new_text:
+                            sent += len(out.new_token_ids)
+                            writes.pending()
+                            yield _chunk(out)
+                            writes.sent()
+                        if out.finished:
+                            if out.finish_reason == "abort" and self.edge.cut:
+                                raise ServerShutdown("the server shut down before the request finished")
+                            writes.pending()
+                            yield _complete(request_id, out, sent)
+                            writes.sent()
+                            _log_finished(request_id, out, sent)
+        except (asyncio.CancelledError, GeneratorExit):  # client gone, deadline, or a stalled reader: grpc closes
             expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            raise  # the AsyncEngine already aborted the request; re-raise (swallowing leaks, grpc#43360)
+            if writes is not None and writes.stalled:
+                code = grpc.StatusCode.ABORTED  # the edge ended it: the client took no response for too long
+            raise  # the backend already aborted the request; re-raise (swallowing leaks, grpc#43360)
         except Exception as exc:
             code, message = status_for(exc, request_id, sent)
             await context.abort(code, message)
@@ -174,18 +138,25 @@ class LLMServicer:
 
     @unary_errors
     async def Tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.TokenizeResponse:
-        with self.slot():
-            backend = self.ready()
-            req = self.parse(llm_pb2.TokenizeRequest, raw)
+        peer = context.peer()
+        with self.edge.slot(peer):
+            backend = self.edge.ready()
+            req = self.edge.parse(llm_pb2.TokenizeRequest, raw)
+            kind = req.WhichOneof("input")
+            if kind is None:
+                raise InvalidRequest("one of text or messages is required")
             limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
-            return await self.off_loop(tokenize, req, backend.tokenizer, limits)
+            prompt = PromptInput.of(kind, getattr(req, kind), limits)
+            resp = await self.edge.tokenize(peer, prompt.num_bytes, limits, tokenize, prompt, backend.tokenizer)
+            self.edge.check_reply(resp, "the Tokenize reply", "tokenize less text at once")
+            return resp
 
     @unary_errors
     async def GetModelInfo(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.ModelInfo:
-        with self.slot():
-            backend = self.ready()
-            self.parse(llm_pb2.GetModelInfoRequest, raw)
-            return model_info(backend, self.max_active_rpcs)
+        with self.edge.slot(context.peer()):
+            backend = self.edge.ready()
+            self.edge.parse(llm_pb2.GetModelInfoRequest, raw)
+            return model_info(backend, self.edge.max_rpcs)
 
 
 def _log_finished(request_id: str, out: RequestOutput, sent: int) -> None:
@@ -197,24 +168,11 @@ def _log_finished(request_id: str, out: RequestOutput, sent: int) -> None:
     )  # fmt: skip
 
 
-def tokenize(req: llm_pb2.TokenizeRequest, tokenizer: Tokenizer, limits: TextLimits) -> llm_pb2.TokenizeResponse:
-    """The Tokenize RPC's work (slow for big inputs: runs off the event loop)."""
-    kind = req.WhichOneof("input")
-    if kind is None:
-        raise InvalidRequest("one of text or messages is required")
-    rendered = ""
-    if kind == "text":
-        limits.check(len(req.text.encode()), "text")
-        ids = tokenizer.encode(req.text)
-    else:
-        add = not req.messages.HasField("add_generation_prompt") or req.messages.add_generation_prompt
-        try:
-            rendered = tokenizer.apply_chat_template(chat_messages(req.messages, limits), add)
-        except ChatTemplateError as exc:
-            raise InvalidRequest(f"messages: {exc}") from None
-        ids = tokenizer.encode(rendered, add_special_tokens=False)
-    tokens = [tokenizer.id_to_token(i) or "" for i in ids]
-    return llm_pb2.TokenizeResponse(token_ids=ids, tokens=tokens, rendered=rendered)
+def tokenize(prompt: PromptInput, tokenizer: Tokenizer) -> llm_pb2.TokenizeResponse:
+    """The Tokenize RPC's work (slow for big inputs: runs in the pool)."""
+    text = prompt.render(tokenizer)
+    ids, tokens = tokenizer.encode_with_tokens(text, add_special_tokens=prompt.messages is None)
+    return llm_pb2.TokenizeResponse(token_ids=ids, tokens=tokens, rendered=text if prompt.messages is not None else "")
 
 
 def model_info(backend: Backend, max_concurrent_rpcs: int) -> llm_pb2.ModelInfo:

@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError, Message
 from protos.llm.v1 import llm_pb2
 from service.errors import InvalidRequest, MessageTooLarge
 from service.request import SamplingParams
-from service.tokenizer import ChatTemplateError, Tokenizer
+from service.tokenizer import ChatTemplateError, Tokenizer, TooManyTokens
 
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 MAX_CHAT_MESSAGES = 1024
@@ -163,34 +163,84 @@ def _proto_path(message: str) -> str:
     return "sampling." + message
 
 
-def chat_messages(msgs: llm_pb2.ChatMessages, limits: TextLimits) -> list[dict[str, str]]:
+def chat_messages(msgs: llm_pb2.ChatMessages, limits: TextLimits) -> tuple[list[dict[str, str]], int]:
+    """The messages as the chat template takes them, and their size in bytes (checked against the limit)."""
     if not msgs.messages:
         raise InvalidRequest("messages.messages must hold at least one message")
     if len(msgs.messages) > MAX_CHAT_MESSAGES:
         raise InvalidRequest(f"messages.messages allows at most {MAX_CHAT_MESSAGES} messages")
-    limits.check(sum(len(m.role.encode()) + len(m.content.encode()) for m in msgs.messages), "messages")
-    return [{"role": m.role, "content": m.content} for m in msgs.messages]
+    size = sum(len(m.role.encode()) + len(m.content.encode()) for m in msgs.messages)
+    limits.check(size, "messages")
+    return [{"role": m.role, "content": m.content} for m in msgs.messages], size
 
 
-def prompt_ids(req: llm_pb2.GenerateRequest, tokenizer: Tokenizer, limits: TextLimits) -> list[int]:
-    """Tokenize the request's input (slow for big inputs: callers run it off the event loop)."""
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """A request's input, checked by size on the event loop, before it is tokenized in the pool."""
+
+    field: str  # the input's name: prompt | prompt_token_ids | messages | text
+    num_bytes: int  # text to tokenize (0 for token ids)
+    text: str = ""
+    messages: list[dict[str, str]] | None = None
+    add_generation_prompt: bool = True
+    ids: list[int] | None = None  # pre-tokenized input
+
+    @classmethod
+    def of(cls, field: str, value: str | llm_pb2.ChatMessages | llm_pb2.TokenIds, limits: TextLimits) -> PromptInput:
+        if isinstance(value, str):
+            size = len(value.encode())
+            limits.check(size, field)
+            return cls(field, size, text=value)
+        if isinstance(value, llm_pb2.TokenIds):
+            return cls(field, 0, ids=list(value.ids))  # checked against the vocabulary by the backend's admission
+        messages, size = chat_messages(value, limits)
+        add = not value.HasField("add_generation_prompt") or value.add_generation_prompt
+        return cls(field, size, messages=messages, add_generation_prompt=add)
+
+    def render(self, tokenizer: Tokenizer) -> str:
+        """The text to tokenize (chat messages rendered with the model's template)."""
+        if self.messages is None:
+            return self.text
+        try:
+            return tokenizer.apply_chat_template(self.messages, self.add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise InvalidRequest(f"messages: {exc}") from None
+
+
+def prompt_input(req: llm_pb2.GenerateRequest, limits: TextLimits) -> PromptInput:
     kind = req.WhichOneof("input")
     if kind is None:
         raise InvalidRequest("one of prompt, prompt_token_ids or messages is required")
-    if kind == "prompt_token_ids":
-        ids = list(req.prompt_token_ids.ids)  # checked against the vocabulary once, by the backend on admission
-    elif kind == "prompt":
-        limits.check(len(req.prompt.encode()), "prompt")
-        ids = tokenizer.encode(req.prompt)
-    else:
-        try:
-            add = not req.messages.HasField("add_generation_prompt") or req.messages.add_generation_prompt
-            ids = tokenizer.encode_chat(chat_messages(req.messages, limits), add_generation_prompt=add)
-        except ChatTemplateError as exc:
-            raise InvalidRequest(f"messages: {exc}") from None
+    return PromptInput.of(kind, getattr(req, kind), limits)
+
+
+def encode_text(
+    tokenizer: Tokenizer, text: str, field: str, add_special_tokens: bool, max_new_tokens: int, max_seq_len: int
+) -> list[int]:
+    """Tokenize a prompt that must leave room for max_new_tokens in max_seq_len (slow: run it in the pool).
+    One too long is refused after tokenizing only about as much of it as could fit."""
+    max_prompt = max(1, max_seq_len - max_new_tokens)
+    try:
+        ids = tokenizer.encode(text, add_special_tokens=add_special_tokens, max_tokens=max_prompt)
+    except TooManyTokens as exc:
+        raise InvalidRequest(
+            f"{field} ({exc.at_least}+ tokens, counted in its first {exc.num_bytes} bytes) + max_tokens "
+            f"({max_new_tokens}) exceeds max_seq_len {max_seq_len}"
+        ) from None
     if not ids:
-        raise InvalidRequest(f"{kind} is empty")
-    return ids  # whether prompt + max_tokens fits is checked once, by the backend on admission
+        raise InvalidRequest(f"{field} is empty")
+    return ids
+
+
+def prompt_ids(p: PromptInput, tokenizer: Tokenizer, max_new_tokens: int, max_seq_len: int) -> list[int]:
+    """Tokenize the request's input (slow for big inputs: run it in the pool)."""
+    if p.ids is not None:
+        if not p.ids:
+            raise InvalidRequest(f"{p.field} is empty")
+        return p.ids
+    # the rendered chat already holds every special token the template wants (as transformers does)
+    add_special = p.messages is None
+    return encode_text(tokenizer, p.render(tokenizer), p.field, add_special, max_new_tokens, max_seq_len)
 
 
 def cache_salt(req: llm_pb2.GenerateRequest) -> str:

@@ -33,14 +33,16 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 
+from service.api.edge import Edge, Slot
 from service.api.interceptors import cache_salt
-from service.api.servicer import DEADLINE_SLACK_S, LLMServicer
+from service.api.metrics import ServiceMetrics
+from service.api.servicer import DEADLINE_SLACK_S
 from service.api.status import status_for, unary_errors
 from service.api.triton.configs import model_config, model_metadata
 from service.api.triton.convert import TritonCall, tensor_names, to_call
 from service.api.triton.models import COUNT_OUTPUTS, MODEL_VERSION, MODELS, PERF_OUTPUTS, ModelSpec
 from service.api.triton.tensors import ResponseBuilder, decode_inputs
-from service.api.validation import REQUEST_ID, TextLimits
+from service.api.validation import REQUEST_ID, TextLimits, encode_text
 from service.backends.base import Backend
 from service.errors import (
     EngineUnavailable,
@@ -83,6 +85,7 @@ class _Progress:
 class _Stream:
     """The requests of one ModelStreamInfer call."""
 
+    peer: str  # the client connection (its RPC slots' share)
     tasks: dict[asyncio.Task, str] = field(default_factory=dict)  # task -> its client id
     stopped: set[asyncio.Task] = field(default_factory=set)  # ended by a `stop` request
 
@@ -154,8 +157,10 @@ class _Responder:
 
 
 class TritonServicer(GRPCInferenceServiceServicer):
-    def __init__(self, llm: LLMServicer) -> None:
-        self.llm = llm  # the llm.v1 servicer: its backend, RPC slots, drain flags, metrics and tokenizer pool
+    def __init__(self, edge: Edge, metrics: ServiceMetrics, max_requests_per_stream: int) -> None:
+        self.edge = edge  # shared with the llm.v1 door: backend, RPC slots, drain flags, stall watch, tokenizer
+        self.metrics = metrics
+        self.max_requests_per_stream = max_requests_per_stream
         self.server_version = _version()
         self._stats = {name: _ModelStats() for name in MODELS}
         self._draining = asyncio.Event()
@@ -189,7 +194,7 @@ class TritonServicer(GRPCInferenceServiceServicer):
     # ---- helpers -------------------------------------------------------------------------------------------
     def _backend_or_none(self) -> Backend | None:
         try:
-            return self.llm.ready()
+            return self.edge.ready()
         except EngineUnavailable:
             return None
 
@@ -208,7 +213,7 @@ class TritonServicer(GRPCInferenceServiceServicer):
 
     def _finished(self, model: str, code: grpc.StatusCode, started_ns: int) -> None:
         known = model if model in self._stats else "(unknown)"
-        self.llm.metrics.triton_request_finished(known, code.name)
+        self.metrics.triton_request_finished(known, code.name)
         stats = self._stats.get(model)
         if stats is None:
             return
@@ -222,38 +227,38 @@ class TritonServicer(GRPCInferenceServiceServicer):
     # ---- health and metadata (unary: errors mapped by status.unary_errors) ---------------------------------------
     @unary_errors
     async def ServerLive(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ServerLiveResponse:
-        self.llm.parse(service_pb2.ServerLiveRequest, raw)  # the health checks take no RPC slot
+        self.edge.parse(service_pb2.ServerLiveRequest, raw)  # the health checks take no RPC slot
         return service_pb2.ServerLiveResponse(live=True)
 
     @unary_errors
     async def ServerReady(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ServerReadyResponse:
-        self.llm.parse(service_pb2.ServerReadyRequest, raw)
+        self.edge.parse(service_pb2.ServerReadyRequest, raw)
         return service_pb2.ServerReadyResponse(ready=self._ready())
 
     @unary_errors
     async def ModelReady(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelReadyResponse:
-        req = self.llm.parse(service_pb2.ModelReadyRequest, raw)
+        req = self.edge.parse(service_pb2.ModelReadyRequest, raw)
         known = req.name in MODELS and req.version in ("", MODEL_VERSION)
         return service_pb2.ModelReadyResponse(ready=known and self._ready())
 
     @unary_errors
     async def ServerMetadata(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ServerMetadataResponse:
-        with self.llm.slot():
-            self.llm.parse(service_pb2.ServerMetadataRequest, raw)
+        with self.edge.slot(context.peer()):
+            self.edge.parse(service_pb2.ServerMetadataRequest, raw)
             return service_pb2.ServerMetadataResponse(
                 name="llm-grpc-serving", version=self.server_version, extensions=list(EXTENSIONS)
             )
 
     @unary_errors
     async def ModelMetadata(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelMetadataResponse:
-        with self.llm.slot():
-            req = self.llm.parse(service_pb2.ModelMetadataRequest, raw)
+        with self.edge.slot(context.peer()):
+            req = self.edge.parse(service_pb2.ModelMetadataRequest, raw)
             return model_metadata(self._model(req.name, req.version))
 
     @unary_errors
     async def ModelConfig(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelConfigResponse:
-        with self.llm.slot():
-            req = self.llm.parse(service_pb2.ModelConfigRequest, raw)
+        with self.edge.slot(context.peer()):
+            req = self.edge.parse(service_pb2.ModelConfigRequest, raw)
             spec = self._model(req.name, req.version)
             return service_pb2.ModelConfigResponse(config=model_config(spec, 1, self._parameters(spec)))
 
@@ -280,8 +285,8 @@ class TritonServicer(GRPCInferenceServiceServicer):
     async def ModelStatistics(
         self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> service_pb2.ModelStatisticsResponse:
-        with self.llm.slot():
-            req = self.llm.parse(service_pb2.ModelStatisticsRequest, raw)
+        with self.edge.slot(context.peer()):
+            req = self.edge.parse(service_pb2.ModelStatisticsRequest, raw)
             names = [self._model(req.name, req.version).name] if req.name else list(MODELS)
             resp = service_pb2.ModelStatisticsResponse()
             for name in names:
@@ -301,8 +306,8 @@ class TritonServicer(GRPCInferenceServiceServicer):
     async def RepositoryIndex(
         self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> service_pb2.RepositoryIndexResponse:
-        with self.llm.slot():
-            self.llm.parse(service_pb2.RepositoryIndexRequest, raw)
+        with self.edge.slot(context.peer()):
+            self.edge.parse(service_pb2.RepositoryIndexRequest, raw)
             state = "READY" if self._ready() else "UNAVAILABLE"
             resp = service_pb2.RepositoryIndexResponse()
             for name in MODELS:
@@ -319,7 +324,7 @@ class TritonServicer(GRPCInferenceServiceServicer):
                 f"model '{spec.name}' is a step of 'ensemble', described for tools that read every step; send "
                 f"inference requests to 'ensemble' or 'tensorrt_llm'"
             )
-        backend = self.llm.ready()
+        backend = self.edge.ready()
         if len(req.id.encode()) > MAX_ID_BYTES:
             raise InvalidRequest(f"the request id is longer than {MAX_ID_BYTES} bytes")
         empty_final = False
@@ -332,26 +337,29 @@ class TritonServicer(GRPCInferenceServiceServicer):
         call = to_call(spec, req.id, tensors, [o.name for o in req.outputs], backend.info)
         return call, backend, empty_final
 
-    async def _prompt_ids(self, call: TritonCall, backend: Backend) -> list[int]:
+    async def _prompt_ids(self, call: TritonCall, backend: Backend, peer: str) -> list[int]:
         if call.prompt_ids is not None:
             return call.prompt_ids  # checked against the vocabulary once, by the backend on admission
         backend.check_capacity()  # do not tokenize what the queue would refuse anyway
-        TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len).check(len(call.text.encode()), "text_input")
-        ids = await self.llm.off_loop(backend.tokenizer.encode, call.text)
-        if not ids:
-            raise InvalidRequest("text_input is empty")
-        return ids
+        limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
+        limits.check(len(call.text.encode()), "text_input")
+        return await self.edge.tokenize(
+            peer, len(call.text.encode()), limits,
+            encode_text, backend.tokenizer, call.text, "text_input", True, call.sampling.max_tokens,
+            backend.info.max_seq_len,
+        )  # fmt: skip
 
     async def _run(
-        self, call: TritonCall, backend: Backend, unary: bool, empty_final: bool, progress: _Progress
+        self, call: TritonCall, backend: Backend, unary: bool, empty_final: bool, progress: _Progress, slot: Slot
     ) -> AsyncIterator[Response]:
-        """Generate, yielding the responses (closing this generator aborts the request in the backend)."""
-        ids = await self._prompt_ids(call, backend)
+        """Generate, yielding the responses (closing this generator aborts the request in the backend); the
+        slot is released as soon as the backend's work ends, whether or not the responses were written."""
+        ids = await self._prompt_ids(call, backend, slot.peer)
         request_id = call.client_id if REQUEST_ID.fullmatch(call.client_id) else f"triton-{uuid.uuid4().hex}"
         gen = GenerateRequest(request_id, ids, call.sampling, cache_salt=cache_salt())  # the tenant's, if any
         progress.responder = responder = _Responder(call, ids, time.monotonic_ns(), unary, empty_final)
         try:
-            async with contextlib.aclosing(backend.generate(gen)) as outputs:
+            async with contextlib.aclosing(backend.generate(gen, on_done=slot.release)) as outputs:
                 async for out in outputs:
                     if out.finished and out.finish_reason == "abort":
                         raise ServerShutdown("the server shut down before the request finished")
@@ -368,14 +376,16 @@ class TritonServicer(GRPCInferenceServiceServicer):
         deadline = None if remaining is None else time.monotonic() + remaining
         progress = _Progress()
         try:
-            with self.llm.slot():
-                req = self.llm.parse(service_pb2.ModelInferRequest, raw)
+            with self.edge.slot(context.peer()) as slot:
+                req = self.edge.parse(service_pb2.ModelInferRequest, raw)
                 model, request_id = req.model_name, req.id or None
                 if self._model(req.model_name, req.model_version).decoupled:
                     raise Unsupported(DECOUPLED_INFER)
                 call, backend, _ = await self._prepare(req)
+                if call.stop:  # nothing to stop: a unary request has no stream its id could name
+                    return ResponseBuilder(call.model.name, MODEL_VERSION, call.client_id, stream=False).response
                 result = None
-                async with contextlib.aclosing(self._run(call, backend, True, False, progress)) as responses:
+                async with contextlib.aclosing(self._run(call, backend, True, False, progress, slot)) as responses:
                     async for resp in responses:
                         result = resp
                 return result
@@ -393,18 +403,15 @@ class TritonServicer(GRPCInferenceServiceServicer):
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
         queue: asyncio.Queue = asyncio.Queue(STREAM_BUFFER)
-        stream = _Stream()
+        stream = _Stream(peer=context.peer())
 
-        def forget(task: asyncio.Task) -> None:
-            stream.tasks.pop(task, None)
-            stream.stopped.discard(task)
-
-        # requests of this stream running at most (beyond, the reader waits and gRPC's flow control holds the
+        # requests of this stream in flight at most (beyond, the reader waits and gRPC's flow control holds the
         # client back): a client that sends without reading cannot pile up tasks
-        room = asyncio.Semaphore(max(1, self.llm.max_active_rpcs) + STREAM_BUFFER)
+        room = asyncio.Semaphore(self.max_requests_per_stream)
 
         def done(task: asyncio.Task) -> None:
-            forget(task)
+            stream.tasks.pop(task, None)
+            stream.stopped.discard(task)
             room.release()
 
         async def read() -> None:
@@ -434,12 +441,15 @@ class TritonServicer(GRPCInferenceServiceServicer):
 
         reader = asyncio.ensure_future(supervise())
         try:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    return
-                yield item
-        finally:  # normal end, or the client cancelled / went away: abort whatever still runs in the backend
+            with self.edge.watch_writes(context) as writes:
+                while True:
+                    item = await queue.get()
+                    if item is None:
+                        return
+                    writes.pending()  # a client that stops reading leaves this pending: the edge ends the stream
+                    yield item
+                    writes.sent()
+        finally:  # normal end, the client cancelled / went away, or stalled: abort whatever still runs
             reader.cancel()
             tasks = list(stream.tasks)
             for task in tasks:
@@ -452,8 +462,8 @@ class TritonServicer(GRPCInferenceServiceServicer):
         me = asyncio.current_task()
         progress = _Progress()
         try:
-            with self.llm.slot():
-                req = self.llm.parse(service_pb2.ModelInferRequest, raw)
+            with self.edge.slot(stream.peer) as slot:
+                req = self.edge.parse(service_pb2.ModelInferRequest, raw)
                 model, client_id = req.model_name, req.id
                 call, backend, empty_final = await self._prepare(req)
                 stream.tasks[me] = client_id
@@ -462,9 +472,10 @@ class TritonServicer(GRPCInferenceServiceServicer):
                     if empty_final:
                         await queue.put(_empty(call))
                     return
-                async with contextlib.aclosing(self._run(call, backend, False, empty_final, progress)) as responses:
+                responses = self._run(call, backend, False, empty_final, progress, slot)
+                async with contextlib.aclosing(responses):
                     async for resp in responses:
-                        await queue.put(resp)
+                        await queue.put(resp)  # waits while the stream's buffer is full: the backend merges
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             if me not in stream.stopped:  # the stream itself was cancelled: nothing more can be written

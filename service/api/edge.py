@@ -1,0 +1,227 @@
+"""What every front door shares at the edge: RPC slots, drain state, the watch on streams nobody reads,
+request parsing and tokenization (service/api/tokenization.py).
+
+- Slots: one per LLM RPC (one per inference request on the Triton port), at most `max_rpcs` in the server and
+  `max_rpcs_per_connection` on one client connection (a connection is what gRPC's peer string names). A
+  slot is released when the request's work ends (the backend's final output, an error, a cancel), not when the
+  client has read it: a client that stops reading keeps none of the shared slots it used.
+- Stalled writers: a stream whose next response has waited on the client for `stall_timeout_s` (HTTP/2 flow
+  control: the client stopped reading, its window and gRPC's buffers are full) is ended with ABORTED, which
+  aborts its requests in the backend; so unread responses hold memory for a bounded time, never forever.
+- Drain: `draining` (new RPCs get UNAVAILABLE) and `cut` (the drain timeout passed: streams still running end
+  with ServerShutdown), set by the server's drain; `ready()` is the backend once it can take requests.
+
+Runs in the event loop only (no locks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import grpc
+from google.protobuf.message import Message
+
+from service.api.tokenization import TokenizationGate
+from service.api.validation import TextLimits, parse
+from service.backends.base import Backend
+from service.config import ServerConfig
+from service.errors import EngineUnavailable, MessageTooLarge, Overloaded
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TOKENIZER_THREADS = 2  # tokenization runs here, never on the event loop (it releases the GIL: see Tokenizer)
+
+
+class Slot:
+    """One RPC's claim on the server's and its connection's capacity; release() is idempotent."""
+
+    __slots__ = ("_edge", "peer")
+
+    def __init__(self, edge: Edge, peer: str) -> None:
+        self._edge: Edge | None = edge
+        self.peer = peer  # the client connection, as gRPC names it
+
+    def release(self) -> None:
+        edge, self._edge = self._edge, None
+        if edge is not None:
+            edge._release(self.peer)
+
+
+class WriteWatch:
+    """The writer side of one stream: `pending()` before handing a response to gRPC, `sent()` once it took it."""
+
+    __slots__ = ("context", "peer", "since", "stalled", "task")
+
+    def __init__(self, peer: str, context: grpc.aio.ServicerContext, task: asyncio.Task | None) -> None:
+        self.peer = peer
+        self.context = context
+        self.task = task  # the handler's
+        self.since: float | None = None  # when the response now being written was handed over
+        self.stalled = False  # the edge ended the stream for it
+
+    def pending(self) -> None:
+        self.since = time.monotonic()
+
+    def sent(self) -> None:
+        self.since = None
+
+
+class Edge:
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        backend: Callable[[], Backend | None],
+        on_stall: Callable[[], None] | None = None,
+    ) -> None:
+        self._backend = backend  # None until the backend has loaded and warmed up
+        self.max_rpcs = cfg.max_concurrent_rpcs
+        self.max_rpcs_per_connection = cfg.max_rpcs_per_connection or max(1, cfg.max_concurrent_rpcs // 2)
+        self.stall_timeout_s = cfg.stream_stall_timeout_s
+        self.max_message_bytes = cfg.max_message_bytes  # request and reply messages larger are RESOURCE_EXHAUSTED
+        self._on_stall = on_stall  # counts streams ended for a stalled writer (a metric)
+        self.tokenization = TokenizationGate(
+            TOKENIZER_THREADS, cfg.tokenize_backlog, cfg.tokenize_backlog_per_connection
+        )
+        self.num_active = 0  # slots held (the drain waits for them)
+        self._per_peer: dict[str, int] = {}
+        self._writers: set[WriteWatch] = set()
+        self.draining = False  # set on shutdown: new RPCs get UNAVAILABLE
+        self.cut = False  # set at the drain timeout: streams still running end with ServerShutdown
+        self._sweeper: asyncio.Task | None = None
+        self._ending: set[asyncio.Task] = set()
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def ready(self) -> Backend:
+        """The backend, or EngineUnavailable while loading or draining."""
+        if self.draining:
+            raise EngineUnavailable("the server is shutting down")
+        backend = self._backend()
+        if backend is None:
+            raise EngineUnavailable("the engine is still loading")
+        return backend
+
+    def parse(self, message_type: type[Message], raw: bytes) -> Message:
+        """A request message of this server (size-checked, then parsed: service/api/validation.py)."""
+        return parse(message_type, raw, self.max_message_bytes)
+
+    async def tokenize(self, peer: str, num_bytes: int, limits: TextLimits, fn: Callable[..., T], *args: object) -> T:
+        """Tokenization-sized work on `num_bytes` of text from `peer`, off the event loop and bounded."""
+        return await self.tokenization.run(peer, num_bytes, limits.max_text_bytes, fn, *args)
+
+    def check_reply(self, reply: Message, what: str, advice: str) -> None:
+        """A reply larger than the send limit is refused by its size, naming the limit (not a transport error)."""
+        size = reply.ByteSize()
+        if size > self.max_message_bytes:
+            raise MessageTooLarge(
+                f"{what} would be {size} bytes, over the server's limit of {self.max_message_bytes} "
+                f"(--max-message-bytes); {advice}"
+            )
+
+    # ---- slots ---------------------------------------------------------------------------------------
+    def acquire(self, peer: str) -> Slot:
+        """A slot for an RPC from `peer`, or Overloaded (RESOURCE_EXHAUSTED) naming the limit it hit."""
+        # NOTE: gRPC core's maximum_concurrent_rpcs would also refuse health checks, so the limit lives here.
+        if self.num_active >= self.max_rpcs:
+            raise Overloaded(f"too many RPCs in flight (limit {self.max_rpcs}); retry later")
+        held = self._per_peer.get(peer, 0)
+        if held >= self.max_rpcs_per_connection:
+            raise Overloaded(
+                f"too many RPCs in flight on this connection (limit {self.max_rpcs_per_connection} per "
+                "connection); retry later"
+            )
+        self.num_active += 1
+        self._per_peer[peer] = held + 1
+        return Slot(self, peer)
+
+    @contextlib.contextmanager
+    def slot(self, peer: str) -> Iterator[Slot]:
+        """A slot for the block; released at its end at the latest (earlier with Slot.release())."""
+        slot = self.acquire(peer)
+        try:
+            yield slot
+        finally:
+            slot.release()
+
+    def _release(self, peer: str) -> None:
+        self.num_active -= 1
+        left = self._per_peer[peer] - 1
+        if left:
+            self._per_peer[peer] = left
+        else:
+            del self._per_peer[peer]
+
+    def held_by(self, peer: str) -> int:
+        return self._per_peer.get(peer, 0)
+
+    # ---- stalled writers -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def watch_writes(self, context: grpc.aio.ServicerContext) -> Iterator[WriteWatch]:
+        """Register a stream's writer for the stall watch for the block."""
+        watch = WriteWatch(context.peer(), context, asyncio.current_task())
+        self._writers.add(watch)
+        self._start_sweeper()
+        try:
+            yield watch
+        finally:
+            self._writers.discard(watch)
+
+    @property
+    def num_blocked_writers(self) -> int:
+        """Streams whose current response is still waiting for the client to take it."""
+        return sum(1 for w in self._writers if w.since is not None)
+
+    def _start_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.ensure_future(self._sweep())
+
+    async def _sweep(self) -> None:
+        period = min(1.0, self.stall_timeout_s / 4)
+        while self._writers:
+            await asyncio.sleep(period)
+            self.end_stalled()
+
+    def end_stalled(self) -> int:
+        """End every stream whose pending response has waited longer than the stall timeout; how many."""
+        now = time.monotonic()
+        stalled = [w for w in self._writers if w.since is not None and now - w.since > self.stall_timeout_s]
+        for watch in stalled:
+            logger.warning(
+                "ending a stream from %s: its client took no response for %.0f s", watch.peer, now - watch.since
+            )
+            self._writers.discard(watch)
+            watch.stalled = True
+            # NOTE: abort() from outside the handler queues the status (the client sees it whenever it reads
+            # again), then cancelling the handler's task ends its write that the client never takes, so its
+            # cleanup aborts the requests in the backend now. A cancel alone leaves the client waiting for a
+            # status that never comes; an abort alone leaves the handler waiting on that write.
+            task = asyncio.ensure_future(self._end(watch))
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
+            if self._on_stall is not None:
+                self._on_stall()
+        return len(stalled)
+
+    async def _end(self, watch: WriteWatch) -> None:
+        message = f"stream ended: its client took no response for {self.stall_timeout_s:.0f} s (--stream-stall-timeout)"
+
+        async def abort() -> None:
+            with contextlib.suppress(Exception):  # AbortError: the abort's own way of returning
+                await watch.context.abort(grpc.StatusCode.ABORTED, message)  # returns once the client reads
+
+        aborting = asyncio.ensure_future(abort())
+        self._ending.add(aborting)
+        aborting.add_done_callback(self._ending.discard)
+        await asyncio.sleep(0)  # the abort's first step: its status op is queued
+        if watch.task is not None:
+            watch.task.cancel()
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        self.tokenization.close()
