@@ -32,6 +32,8 @@ MANIFEST_FILE = "manifest.json"
 # activation/weight dtypes each backend builds: the numpy engine is float32; TensorRT-LLM runs half precision
 BACKEND_DTYPES = {"native": ("float32",), "trtllm": ("float16", "bfloat16")}
 SUPPORTED_DTYPES = tuple(dict.fromkeys(d for dtypes in BACKEND_DTYPES.values() for d in dtypes))
+# the jinja2 environment chat_template.jinja is rendered in (transformers' options); what parses in it is valid
+CHAT_TEMPLATE_ENV = {"trim_blocks": True, "lstrip_blocks": True, "extensions": ["jinja2.ext.loopcontrols"]}
 
 
 class EngineFormatError(ValueError):
