@@ -32,6 +32,8 @@ MANIFEST_FILE = "manifest.json"
 # activation/weight dtypes each backend builds: the numpy engine is float32; TensorRT-LLM runs half precision
 BACKEND_DTYPES = {"native": ("float32",), "trtllm": ("float16", "bfloat16")}
 SUPPORTED_DTYPES = tuple(dict.fromkeys(d for dtypes in BACKEND_DTYPES.values() for d in dtypes))
+# the jinja2 environment chat_template.jinja is rendered in (transformers' options); what parses in it is valid
+CHAT_TEMPLATE_ENV = {"trim_blocks": True, "lstrip_blocks": True, "extensions": ["jinja2.ext.loopcontrols"]}
 
 
 class EngineFormatError(ValueError):
@@ -146,8 +148,9 @@ class EngineConfig:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
             raise EngineFormatError(f"{CONFIG_FILE} is not valid JSON: {exc}") from exc
-        if doc.get("format") != FORMAT_NAME:
-            raise EngineFormatError(f"{CONFIG_FILE} is not an engine config (format={doc.get('format')!r})")
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise EngineFormatError(f"{CONFIG_FILE} is not an engine config (format={found!r})")
         version = doc.get("format_version")
         if version not in READABLE_VERSIONS:
             raise EngineFormatError(
@@ -181,16 +184,23 @@ def sha256_file(path: Path) -> str:
 
 
 def load_engine_config(engine_dir: str | Path, verify: bool = False) -> EngineConfig:
-    """Read config.json of an engine directory; with verify=True also check every manifest checksum."""
+    """Our EngineConfig of an engine directory, whatever its backend: config.json of a native engine, the
+    manifest's copy ("engine") of a TensorRT-LLM one; with verify=True every manifest checksum is checked first.
+
+    Checks of the contents (tensor shapes, tokenizer, chat template) are build_engine.verify's."""
     engine_dir = Path(engine_dir)
-    if not engine_dir.is_dir():
-        raise EngineFormatError(f"engine directory {engine_dir} does not exist")
-    config_path = engine_dir / CONFIG_FILE
-    if not config_path.is_file():
-        raise EngineFormatError(f"{config_path} is missing: not an engine directory")
+    backend = engine_backend(engine_dir)
     if verify:
         verify_manifest(engine_dir)
-    return EngineConfig.from_json(config_path.read_text())
+    if backend == "native":
+        config_path = engine_dir / CONFIG_FILE
+        if not config_path.is_file():
+            raise EngineFormatError(f"{config_path} is missing: not an engine directory")
+        return EngineConfig.from_json(config_path.read_text())
+    engine = read_manifest(engine_dir).get("engine")
+    if not isinstance(engine, dict):
+        raise EngineFormatError(f"{engine_dir / MANIFEST_FILE} of a {backend} engine has no engine config")
+    return EngineConfig.from_json(json.dumps(engine))
 
 
 def engine_backend(engine_dir: str | Path) -> str:
@@ -211,14 +221,40 @@ def engine_backend(engine_dir: str | Path) -> str:
     raise EngineFormatError(f"{engine_dir} is not an engine directory (no {MANIFEST_FILE} or {CONFIG_FILE})")
 
 
+def read_manifest(engine_dir: Path) -> dict[str, Any]:
+    """manifest.json as a dict, or EngineFormatError naming the file."""
+    path = engine_dir / MANIFEST_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EngineFormatError(f"{path} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EngineFormatError(f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise EngineFormatError(f"{path} is not a JSON object")
+    return doc
+
+
 def verify_manifest(engine_dir: Path) -> None:
+    """Every file the manifest lists is there, with its size and sha256 (the size first: it costs nothing)."""
     manifest_path = engine_dir / MANIFEST_FILE
-    if not manifest_path.is_file():
-        raise EngineFormatError(f"{manifest_path} is missing")
-    manifest = json.loads(manifest_path.read_text())
-    for name, entry in manifest["files"].items():
+    files = read_manifest(engine_dir).get("files")
+    if not isinstance(files, dict):
+        raise EngineFormatError(f'{manifest_path} has no "files" table')
+    for name, entry in files.items():
         path = engine_dir / name
         if not path.is_file():
-            raise EngineFormatError(f"{path} is listed in the manifest but missing")
-        if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
-            raise EngineFormatError(f"{path} does not match its manifest checksum (corrupt or edited)")
+            raise EngineFormatError(f"{path} is listed in {manifest_path} but missing")
+        try:
+            size, digest = int(entry["bytes"]), str(entry["sha256"])
+        except (KeyError, TypeError, ValueError):
+            raise EngineFormatError(f"{manifest_path}: the entry of {name} has no bytes and sha256") from None
+        if path.stat().st_size != size:
+            raise EngineFormatError(
+                f"{path} does not match {manifest_path}: {path.stat().st_size} bytes, {size} expected (truncated or "
+                "edited)"
+            )
+        if sha256_file(path) != digest:
+            raise EngineFormatError(
+                f"{path} does not match {manifest_path}: its sha256 checksum differs (corrupt or edited)"
+            )

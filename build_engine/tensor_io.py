@@ -41,6 +41,8 @@ def _read_header(buf: mmap.mmap, path: Path) -> tuple[dict, int]:
         header = json.loads(bytes(buf[8 : 8 + header_len]))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TensorFileError(f"{path} has a corrupt safetensors header: {exc}") from exc
+    if not isinstance(header, dict) or not all(isinstance(e, dict) for e in header.values()):
+        raise TensorFileError(f"{path} has a corrupt safetensors header (not a table of tensors)")
     return header, 8 + header_len
 
 
@@ -64,20 +66,41 @@ class SafetensorsFile:
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 
-    def raw(self, name: str) -> tuple[np.ndarray, str]:
-        """The tensor as stored (bfloat16 as uint16 bits) and its safetensors dtype name."""
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype name (F32, U8, ...), from the header."""
+        return self._entries[name]["dtype"]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, from the header (no data is read)."""
+        return tuple(self._entries[name]["shape"])
+
+    def check_layout(self) -> None:
+        """Every tensor's dtype is readable and its byte range matches its shape inside the file (reads no data)."""
+        for name in self._entries:
+            self._span(name)
+
+    def _span(self, name: str) -> tuple[np.dtype, tuple[int, ...], int]:
         entry = self._entries[name]
-        dtype_name = entry["dtype"]
+        dtype_name = entry.get("dtype")
         if dtype_name not in _DTYPES:
             raise TensorFileError(f"{self.path}: tensor {name} has unsupported dtype {dtype_name}")
         dtype = _DTYPES[dtype_name]
-        begin, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
+        try:
+            begin, end = (int(x) for x in entry["data_offsets"])
+            shape = tuple(int(x) for x in entry["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise TensorFileError(f"{self.path}: tensor {name} has a malformed header entry") from None
         count = int(np.prod(shape, dtype=np.int64))
-        if end - begin != count * dtype.itemsize or self._data_start + end > len(self._buf):
+        if begin < 0 or end - begin != count * dtype.itemsize or self._data_start + end > len(self._buf):
             raise TensorFileError(f"{self.path}: tensor {name} is truncated or has inconsistent offsets")
+        return dtype, shape, begin
+
+    def raw(self, name: str) -> tuple[np.ndarray, str]:
+        """The tensor as stored (bfloat16 as uint16 bits) and its safetensors dtype name."""
+        dtype, shape, begin = self._span(name)
+        count = int(np.prod(shape, dtype=np.int64))
         array = np.frombuffer(self._buf, dtype=dtype, count=count, offset=self._data_start + begin)
-        return array.reshape(shape), dtype_name
+        return array.reshape(shape), self._entries[name]["dtype"]
 
     def get(self, name: str) -> np.ndarray:
         """A float32 (or integer) array; zero-copy when the file already stores float32."""

@@ -24,7 +24,6 @@ path, i.e. mount it at the same place), and the tokenizer is read from there too
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from pathlib import Path
 
 from build_engine import spec
 from build_engine.source import BuildError
-from build_engine.spec import EngineConfig, EngineFormatError, engine_backend
+from build_engine.spec import EngineConfig, EngineFormatError, load_engine_config
 from service.config import TrtllmConfig
 
 # The Triton container that serves engines of TensorRT-LLM 1.2.1. NOTE: not verified here (no NGC access): the
@@ -46,23 +45,18 @@ EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
 
 def _engine(engine_dir: Path) -> tuple[EngineConfig, dict]:
     try:
-        backend = engine_backend(engine_dir)
+        config = load_engine_config(engine_dir)
     except EngineFormatError as exc:
         raise BuildError(str(exc)) from None
-    if backend != "trtllm":
+    if config.backend != "trtllm":
         raise BuildError(
-            f"{engine_dir} is a {backend} engine; Triton's TensorRT-LLM backend serves engines built with "
+            f"{engine_dir} is a {config.backend} engine; Triton's TensorRT-LLM backend serves engines built with "
             f"python -m build_engine --backend trtllm"
         )
-    manifest = json.loads((engine_dir / spec.MANIFEST_FILE).read_text())
-    try:
-        config = EngineConfig.from_json(json.dumps(manifest["engine"]))
-    except (KeyError, EngineFormatError) as exc:
-        raise BuildError(f"{engine_dir}/{spec.MANIFEST_FILE} has no usable engine config ({exc})") from None
     for name in (spec.TOKENIZER_FILE, spec.TOKENIZER_CONFIG_FILE):
         if not (engine_dir / name).is_file():
             raise BuildError(f"{engine_dir / name} is missing: the Python steps tokenize with it")
-    return config, manifest.get("settings", {})
+    return config, spec.read_manifest(engine_dir).get("settings", {})
 
 
 def configs(

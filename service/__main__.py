@@ -58,6 +58,13 @@ FLAGS = (
         "auto: the backend the engine directory was built for",
         choices=("auto", *BACKENDS),
     ),
+    Flag(
+        "--skip-verify",
+        "backend.verify_checksums",
+        "do not check the engine's files against the sha256 checksums of its manifest.json at startup (for an "
+        "engine edited on purpose; the shape, tokenizer and chat-template checks still run)",
+        negate=True,
+    ),
     Flag("--host", "host", "address to bind (0.0.0.0 in containers)"),
     Flag("--port", "port", "gRPC port (0 picks a free one)", int),
     Flag("--metrics-port", "metrics_port", "Prometheus port (-1 disables the endpoint)", int, none_below_zero=True),
@@ -260,7 +267,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 async def serve(cfg: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT (drain, exit 0) or an engine failure (exit EXIT_ENGINE_FAILED)."""
-    preflight(cfg.backend)  # a missing dependency is one line, before any port is bound
+    preflight(cfg.backend)  # a missing dependency or a damaged engine is one line, before any port is bound
     server = LLMServer(cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -300,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         return asyncio.run(serve(cfg))
-    except (OSError, ValueError) as exc:
-        logger.error("cannot start: %s", exc)
+    except (OSError, ValueError) as exc:  # EngineFormatError, BackendLoadError, a port in use, a bad flag value
+        logger.error("cannot start: %s", " ".join(str(exc).split()))  # one line, whatever the message holds
         return 2
 
 

@@ -69,6 +69,9 @@ class BackendConfig:
     prefix_caching: bool = True  # share KV blocks of common prompt prefixes (TensorRT-LLM: KV block reuse)
     max_num_seqs: int | None = None  # sequences per step; None: the engine's max_batch_size
     max_num_tokens: int | None = None  # tokens per step; None: the engine's max_num_tokens
+    # at startup, check the size and sha256 of every engine file against manifest.json (the structural checks of
+    # build_engine/verify.py run either way)
+    verify_checksums: bool = True
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     native: NativeConfig = field(default_factory=NativeConfig)
     trtllm: TrtllmConfig = field(default_factory=TrtllmConfig)

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from build_engine.spec import EngineFormatError
+from build_engine.verify import verify_engine
 from service.engine.core import DEFAULT_KV_CACHE_MEMORY, EngineCore
 from service.errors import InvalidRequest
 from service.request import GenerateRequest, RequestOutput, SamplingParams
@@ -46,6 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object per request instead of streaming text")
     p.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY, help="bytes (512MiB) or a fraction of RAM")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--skip-verify",
+        action="store_true",
+        help="do not check the engine's files against the sha256 checksums of its manifest.json (the shape, "
+        "tokenizer and chat-template checks still run)",
+    )
     return p.parse_args(argv)
 
 
@@ -151,6 +158,7 @@ def _result(gen: GenerateRequest, outs: list[RequestOutput]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        verify_engine(args.engine, checksums=not args.skip_verify)
         engine = EngineCore(
             args.engine, kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching
         )

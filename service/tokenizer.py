@@ -12,7 +12,6 @@ from typing import Any
 
 import tokenizers
 from jinja2.exceptions import TemplateError
-from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from build_engine import spec
@@ -61,7 +60,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self._template = None
         if chat_template is not None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+            env = ImmutableSandboxedEnvironment(**spec.CHAT_TEMPLATE_ENV)
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = _strftime_now

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import logging
 import secrets
 import threading
@@ -42,8 +41,7 @@ import numpy as np
 from tritonclient.grpc import InferenceServerClient, InferInput
 from tritonclient.utils import InferenceServerException
 
-from build_engine import spec
-from build_engine.spec import EngineConfig, EngineFormatError, engine_backend, load_engine_config
+from build_engine.spec import load_engine_config
 from service.backends.base import BackendInfo
 from service.config import BackendConfig, TritonConfig
 from service.errors import BackendLoadError, EngineUnavailable, InvalidRequest
@@ -95,16 +93,6 @@ def end_requests(client: InferenceServerClient) -> None:
     queue = getattr(stream, "_request_queue", None)
     if queue is not None:
         queue.put(None)
-
-
-def _engine_config(engine_dir: Path) -> EngineConfig:
-    """Our engine config: config.json of a native engine, the manifest's copy for a TensorRT-LLM engine."""
-    if engine_backend(engine_dir) == "native":
-        return load_engine_config(engine_dir)
-    manifest = json.loads((engine_dir / spec.MANIFEST_FILE).read_text())
-    if "engine" not in manifest:
-        raise EngineFormatError(f"{engine_dir} has no engine config in its {spec.MANIFEST_FILE}")
-    return EngineConfig.from_json(json.dumps(manifest["engine"]))
 
 
 def _tensor(name: str, value: Any, datatype: str, dtype: Any) -> InferInput:
@@ -159,7 +147,7 @@ class TritonBackend(BackendRuntime):
             raise BackendLoadError("the triton backend needs --triton-url HOST:PORT (a Triton server's gRPC endpoint)")
         self.url, self.model = t.url, t.model
         engine_dir = Path(cfg.engine_dir)
-        self.config = _engine_config(engine_dir)
+        self.config = load_engine_config(engine_dir)  # a native or TensorRT-LLM engine directory
         self.tokenizer = Tokenizer.from_engine_dir(engine_dir)
         ids = self.config.tokenizer
         self.end_id = ids.eos_token_ids[0]

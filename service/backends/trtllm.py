@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import importlib
-import json
 import logging
 import secrets
 import threading
@@ -33,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from build_engine import spec
-from build_engine.spec import EngineConfig, EngineFormatError
+from build_engine.spec import load_engine_config
 from service.backends.base import BackendInfo
 from service.config import BackendConfig
 from service.errors import BackendLoadError, EngineUnavailable, InvalidRequest
@@ -68,16 +67,6 @@ def import_executor() -> ModuleType:
             f"tensorrt_llm {version} is installed; the trtllm backend is written for {TRTLLM_VERSION}"
         )
     return executor
-
-
-def read_manifest(engine_dir: Path) -> dict[str, Any]:
-    try:
-        manifest = json.loads((engine_dir / spec.MANIFEST_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise BackendLoadError(f"{engine_dir} has no readable {spec.MANIFEST_FILE} ({exc})") from None
-    if manifest.get("backend") != "trtllm" or "engine" not in manifest:
-        raise BackendLoadError(f"{engine_dir} is not a TensorRT-LLM engine built by python -m build_engine")
-    return manifest
 
 
 def sampling_config(trt: ModuleType, p: SamplingParams) -> Any:
@@ -154,12 +143,10 @@ class TrtllmBackend(BackendRuntime):
         self.cfg = cfg
         self.trt = import_executor()
         self.engine_dir = Path(cfg.engine_dir)
-        manifest = read_manifest(self.engine_dir)
-        try:
-            self.config = EngineConfig.from_json(json.dumps(manifest["engine"]))
-        except EngineFormatError as exc:
-            raise BackendLoadError(str(exc)) from None
-        self.settings = manifest.get("settings", {})
+        self.config = load_engine_config(self.engine_dir)  # the manifest's copy of our engine config
+        if self.config.backend != "trtllm":
+            raise BackendLoadError(f"{self.engine_dir} is not a TensorRT-LLM engine built by python -m build_engine")
+        self.settings = spec.read_manifest(self.engine_dir).get("settings", {})
         self.tokenizer = Tokenizer.from_engine_dir(self.engine_dir)
         ids = self.config.tokenizer
         self.end_id = ids.eos_token_ids[0]

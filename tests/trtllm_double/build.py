@@ -77,6 +77,7 @@ class EngineDouble(SurfaceObject):
                 "version": "1.2.1",
                 "pretrained_config": {
                     "architecture": "LlamaForCausalLM",
+                    **_arch(Path(model.hf_dir)),
                     "dtype": model.dtype,
                     "mapping": {k: getattr(mapping, k, 1) for k in ("world_size", "tp_size", "pp_size")},
                     "quantization": {"quant_algo": _algo(model.quant_config)},
@@ -92,6 +93,15 @@ class EngineDouble(SurfaceObject):
             }
             (out / "config.json").write_text(json.dumps(doc, indent=2, sort_keys=True))
         (out / f"rank{rank}.engine").write_text(json.dumps({"test_double": DOUBLE_MARK, "native": native.name}))
+
+
+def _arch(hf_dir: Path) -> dict[str, int]:
+    """The architecture fields TensorRT-LLM's PretrainedConfig writes into config.json, from the HF config."""
+    hf = json.loads((hf_dir / "config.json").read_text())
+    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads")  # fmt: skip
+    head_size = hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    return {**{k: hf[k] for k in names}, "head_size": head_size}
 
 
 def _algo(quant_config: Any) -> str | None:
