@@ -316,6 +316,7 @@ def test_service_refuses_a_bad_engine_in_one_line(engine: Path, damage, flags, e
     assert "cannot start:" in lines[0] and all(e in lines[0] for e in expected), lines[0]
 
 
+@pytest.mark.server
 def test_skip_verify_serves_an_engine_whose_checksum_fails(engine: Path) -> None:
     flip_weight_bit(engine / spec.WEIGHTS_FILE)
     with pytest.raises(EngineFormatError, match="checksum"):
