@@ -652,14 +652,15 @@ static int tiles_per_task(int ntiles, int nthreads, int n) {
 /* ===================================== causal attention ========================================== */
 /* One sequence's new queries over its context, grouped-query, online softmax (flash-attention order):
  *   q [n][H][hd] (already scaled by 1/sqrt(hd)), k, v [ctx][KV][hd], out [n][H * hd]; query i sits at
- *   position ctx - n + i and sees keys 0 .. ctx - n + i. Tasks: (query head, block of AQ_ROWS queries).
- * K is transposed once per call into kt [KV][hd][ctx_pad] so 8 keys' scores come from one FMA chain per
- * dimension (no horizontal sums); exp is a Cephes-style polynomial (max rel. error ~2e-7, like expf). */
+ *   position ctx - n + i and sees keys 0 .. ctx - n + i. Tasks: (up to 4 query heads of one KV head, block
+ * of AQ_ROWS queries). The AVX2 path transposes K a tile at a time (attn_block_avx2); the portable path reads
+ * K transposed once per call into kt [KV][hd][ctx_pad]. exp is a Cephes-style polynomial (max rel. error
+ * ~2e-7, like expf). */
 #define AQ_ROWS 16 /* query rows per task */
 #define AK_TILE 64 /* keys per online-softmax step */
 
 typedef struct {
-    const float *q, *kt, *v;
+    const float *q, *k, *kt, *v; /* kt: K transposed for the portable path; NULL on the AVX2 path */
     float *out;
     int n, ctx, ctx_pad, H, KV, hd, nqb;
 } attn_t;
@@ -696,98 +697,124 @@ AVX2_INLINE float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* AVX2 path (hd a multiple of 16, at most 256): the R <= 4 query heads of one KV head, for one query row,
- * go together, so each K and V load feeds R FMAs. R is a constant in each instance (the loops unroll). */
-AVX2_INLINE void attn_heads_avx2(const attn_t *A, int h0, int i, const int R) {
-    const int hd = A->hd, kvh = h0 / (A->H / A->KV), ldk = A->ctx_pad;
-    const int last = A->ctx - A->n + i; /* the last key this query sees */
-    const float *kt = A->kt + (size_t)kvh * hd * ldk, *q = A->q + ((size_t)i * A->H + h0) * hd;
+/* AVX2 path (hd a multiple of 16, at most 256), flash-attention order: for each tile of AK_TILE keys, every
+ * query row of the task (up to AQ_ROWS) and the R <= 4 query heads of one KV head go over the tile while it
+ * is in cache, so K and V are read from memory once per task rather than once per query row (a chunk of a
+ * few queries deep into a long prompt was bound by re-reading its context). The K tile is transposed once
+ * into kt[hd][AK_TILE], so 8 keys' scores come from one FMA chain per dimension (no horizontal sums). R is a
+ * constant in each instance (the loops unroll). */
+typedef struct {
+    float m[AQ_ROWS][4], l[AQ_ROWS][4];
+    float acc[AQ_ROWS][4][256] __attribute__((aligned(32)));
+    float kt[256 * AK_TILE] __attribute__((aligned(32)));
     float s[4][AK_TILE] __attribute__((aligned(32)));
-    float acc[4][256] __attribute__((aligned(32)));
-    float m[4], l[4];
-    for (int r = 0; r < R; r++) {
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-        for (int c = 0; c < hd; c++) acc[r][c] = 0.0f;
-    }
-    for (int j0 = 0; j0 <= last; j0 += AK_TILE) {
-        const int nk = last + 1 - j0 < AK_TILE ? last + 1 - j0 : AK_TILE, nsub = (nk + 15) / 16;
-        for (int sub = 0; sub < nsub; sub++) { /* scores of 16 keys for the R heads */
-            __m256 a0[4], a1[4];
-            for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
-            const float *kp = kt + j0 + 16 * sub;
-            for (int d = 0; d < hd; d++) {
-                const __m256 k0 = _mm256_loadu_ps(kp + (size_t)d * ldk), k1 = _mm256_loadu_ps(kp + (size_t)d * ldk + 8);
-                for (int r = 0; r < R; r++) {
-                    const __m256 qd = _mm256_broadcast_ss(q + r * hd + d);
-                    a0[r] = _mm256_fmadd_ps(qd, k0, a0[r]);
-                    a1[r] = _mm256_fmadd_ps(qd, k1, a1[r]);
-                }
-            }
-            for (int r = 0; r < R; r++) {
-                _mm256_store_ps(s[r] + 16 * sub, a0[r]);
-                _mm256_store_ps(s[r] + 16 * sub + 8, a1[r]);
-            }
-        }
-        const int ng = 2 * nsub;
+} attn_scratch_t;
+
+AVX2_INLINE void attn_block_avx2(const attn_t *A, int h0, int i0, int i1, const int R, attn_scratch_t *W) {
+    const int hd = A->hd, kvh = h0 / (A->H / A->KV), rows = i1 - i0;
+    const int row_last0 = A->ctx - A->n + i0; /* the last key query row i0 sees; row i sees i - i0 more */
+    const int last_max = row_last0 + rows - 1;
+    const size_t ldv = (size_t)A->KV * hd;
+    for (int i = 0; i < rows; i++)
         for (int r = 0; r < R; r++) {
-            for (int j = nk; j < 8 * ng; j++) s[r][j] = -INFINITY; /* keys past `last` (and the padding) */
-            __m256 mx = _mm256_set1_ps(-INFINITY);
-            for (int g = 0; g < ng; g++) mx = _mm256_max_ps(mx, _mm256_load_ps(s[r] + 8 * g));
-            const float m_new = fmaxf(m[r], hmax256(mx));
-            const float corr = expf(m[r] - m_new); /* 0 on the first tile (m = -inf) */
-            const __m256 mnew = _mm256_set1_ps(m_new), ninf = _mm256_set1_ps(-INFINITY);
-            __m256 lsum = _mm256_setzero_ps();
-            for (int g = 0; g < ng; g++) {
-                const __m256 sv = _mm256_load_ps(s[r] + 8 * g);
-                __m256 p = exp256(_mm256_sub_ps(sv, mnew));
-                p = _mm256_and_ps(p, _mm256_cmp_ps(sv, ninf, _CMP_NEQ_OQ)); /* masked keys: exactly 0 */
-                _mm256_store_ps(s[r] + 8 * g, p);
-                lsum = _mm256_add_ps(lsum, p);
-            }
-            l[r] = l[r] * corr + hsum256(lsum);
-            m[r] = m_new;
-            if (corr != 1.0f) {
-                const __m256 cv = _mm256_set1_ps(corr);
-                for (int c = 0; c < hd; c += 8) _mm256_store_ps(acc[r] + c, _mm256_mul_ps(_mm256_load_ps(acc[r] + c), cv));
-            }
+            W->m[i][r] = -INFINITY;
+            W->l[i][r] = 0.0f;
+            for (int c = 0; c < hd; c++) W->acc[i][r][c] = 0.0f;
+        }
+    for (int j0 = 0; j0 <= last_max; j0 += AK_TILE) {
+        const int tile = last_max + 1 - j0 < AK_TILE ? last_max + 1 - j0 : AK_TILE;
+        const int tile_pad = (tile + 15) / 16 * 16;
+        for (int j = 0; j < tile_pad; j++) { /* kt[d][j] = k[j0 + j][kvh][d]; zeros past the tile */
+            const float *kj = A->k + ((size_t)(j0 + j) * A->KV + kvh) * hd;
+            if (j < tile)
+                for (int d = 0; d < hd; d++) W->kt[d * AK_TILE + j] = kj[d];
+            else
+                for (int d = 0; d < hd; d++) W->kt[d * AK_TILE + j] = 0.0f;
         }
         const float *vbase = A->v + ((size_t)j0 * A->KV + kvh) * hd;
-        const size_t ldv = (size_t)A->KV * hd;
-        for (int c = 0; c < hd; c += 16) { /* acc += P V, 16 dimensions at a time, in registers over the keys */
-            __m256 o0[4], o1[4];
-            for (int r = 0; r < R; r++) {
-                o0[r] = _mm256_load_ps(acc[r] + c);
-                o1[r] = _mm256_load_ps(acc[r] + c + 8);
-            }
-            for (int j = 0; j < nk; j++) {
-                const float *vj = vbase + j * ldv + c;
-                const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+        for (int i = 0; i < rows; i++) {
+            const int last = row_last0 + i;
+            if (last < j0) continue; /* this row sees none of the tile */
+            const int nk = last + 1 - j0 < tile ? last + 1 - j0 : tile, nsub = (nk + 15) / 16;
+            const float *q = A->q + ((size_t)(i0 + i) * A->H + h0) * hd;
+            for (int sub = 0; sub < nsub; sub++) { /* scores of 16 keys for the R heads */
+                __m256 a0[4], a1[4];
+                for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+                const float *kp = W->kt + 16 * sub;
+                for (int d = 0; d < hd; d++) {
+                    const __m256 k0 = _mm256_load_ps(kp + d * AK_TILE), k1 = _mm256_load_ps(kp + d * AK_TILE + 8);
+                    for (int r = 0; r < R; r++) {
+                        const __m256 qd = _mm256_broadcast_ss(q + r * hd + d);
+                        a0[r] = _mm256_fmadd_ps(qd, k0, a0[r]);
+                        a1[r] = _mm256_fmadd_ps(qd, k1, a1[r]);
+                    }
+                }
                 for (int r = 0; r < R; r++) {
-                    const __m256 pj = _mm256_broadcast_ss(s[r] + j);
-                    o0[r] = _mm256_fmadd_ps(pj, v0, o0[r]);
-                    o1[r] = _mm256_fmadd_ps(pj, v1, o1[r]);
+                    _mm256_store_ps(W->s[r] + 16 * sub, a0[r]);
+                    _mm256_store_ps(W->s[r] + 16 * sub + 8, a1[r]);
                 }
             }
+            const int ng = 2 * nsub;
             for (int r = 0; r < R; r++) {
-                _mm256_store_ps(acc[r] + c, o0[r]);
-                _mm256_store_ps(acc[r] + c + 8, o1[r]);
+                float *s = W->s[r];
+                for (int j = nk; j < 8 * ng; j++) s[j] = -INFINITY; /* keys past `last` (and the padding) */
+                __m256 mx = _mm256_set1_ps(-INFINITY);
+                for (int g = 0; g < ng; g++) mx = _mm256_max_ps(mx, _mm256_load_ps(s + 8 * g));
+                const float m_new = fmaxf(W->m[i][r], hmax256(mx));
+                const float corr = expf(W->m[i][r] - m_new); /* 0 on the first tile (m = -inf) */
+                const __m256 mnew = _mm256_set1_ps(m_new), ninf = _mm256_set1_ps(-INFINITY);
+                __m256 lsum = _mm256_setzero_ps();
+                for (int g = 0; g < ng; g++) {
+                    const __m256 sv = _mm256_load_ps(s + 8 * g);
+                    __m256 p = exp256(_mm256_sub_ps(sv, mnew));
+                    p = _mm256_and_ps(p, _mm256_cmp_ps(sv, ninf, _CMP_NEQ_OQ)); /* masked keys: exactly 0 */
+                    _mm256_store_ps(s + 8 * g, p);
+                    lsum = _mm256_add_ps(lsum, p);
+                }
+                W->l[i][r] = W->l[i][r] * corr + hsum256(lsum);
+                W->m[i][r] = m_new;
+                if (corr != 1.0f) {
+                    const __m256 cv = _mm256_set1_ps(corr);
+                    float *acc = W->acc[i][r];
+                    for (int c = 0; c < hd; c += 8) _mm256_store_ps(acc + c, _mm256_mul_ps(_mm256_load_ps(acc + c), cv));
+                }
+            }
+            for (int c = 0; c < hd; c += 16) { /* acc += P V, 16 dimensions at a time, in registers over the keys */
+                __m256 o0[4], o1[4];
+                for (int r = 0; r < R; r++) {
+                    o0[r] = _mm256_load_ps(W->acc[i][r] + c);
+                    o1[r] = _mm256_load_ps(W->acc[i][r] + c + 8);
+                }
+                for (int j = 0; j < nk; j++) {
+                    const float *vj = vbase + j * ldv + c;
+                    const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+                    for (int r = 0; r < R; r++) {
+                        const __m256 pj = _mm256_broadcast_ss(W->s[r] + j);
+                        o0[r] = _mm256_fmadd_ps(pj, v0, o0[r]);
+                        o1[r] = _mm256_fmadd_ps(pj, v1, o1[r]);
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    _mm256_store_ps(W->acc[i][r] + c, o0[r]);
+                    _mm256_store_ps(W->acc[i][r] + c + 8, o1[r]);
+                }
             }
         }
     }
-    for (int r = 0; r < R; r++) {
-        const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
-        float *o = A->out + ((size_t)i * A->H + h0 + r) * hd;
-        for (int c = 0; c < hd; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_load_ps(acc[r] + c), inv));
-    }
+    for (int i = 0; i < rows; i++)
+        for (int r = 0; r < R; r++) {
+            const __m256 inv = _mm256_set1_ps(1.0f / W->l[i][r]);
+            float *o = A->out + ((size_t)(i0 + i) * A->H + h0 + r) * hd;
+            for (int c = 0; c < hd; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_load_ps(W->acc[i][r] + c), inv));
+        }
 }
 
-AVX2_FN static void attn_heads_avx2_n(const attn_t *A, int h0, int i, int R) {
+AVX2_FN static void attn_block_avx2_n(const attn_t *A, int h0, int i0, int i1, int R, attn_scratch_t *W) {
     switch (R) {
-    case 1: attn_heads_avx2(A, h0, i, 1); break;
-    case 2: attn_heads_avx2(A, h0, i, 2); break;
-    case 3: attn_heads_avx2(A, h0, i, 3); break;
-    default: attn_heads_avx2(A, h0, i, 4); break;
+    case 1: attn_block_avx2(A, h0, i0, i1, 1, W); break;
+    case 2: attn_block_avx2(A, h0, i0, i1, 2, W); break;
+    case 3: attn_block_avx2(A, h0, i0, i1, 3, W); break;
+    default: attn_block_avx2(A, h0, i0, i1, 4, W); break;
     }
 }
 
@@ -831,8 +858,11 @@ static void task_attention(void *ctx, int task) {
     const int i1 = i0 + AQ_ROWS < A->n ? i0 + AQ_ROWS : A->n;
     const int h0 = (chunk / per_kv) * G + (chunk % per_kv) * 4, hend = (chunk / per_kv + 1) * G;
     const int R = hend - h0 < 4 ? hend - h0 : 4;
-    if (g_avx2 && A->hd % 16 == 0 && A->hd <= 256) {
-        for (int i = i0; i < i1; i++) attn_heads_avx2_n(A, h0, i, R);
+    if (A->kt == NULL) { /* the AVX2 path (py_attention chose it): K is transposed tile by tile */
+        attn_scratch_t *W = aligned_alloc(32, sizeof(attn_scratch_t));
+        if (W == NULL) abort(); /* ~200 KB: a machine that cannot spare it cannot run the engine */
+        attn_block_avx2_n(A, h0, i0, i1, R, W);
+        free(W);
         return;
     }
     float acc[1024], s[AK_TILE];
@@ -1231,17 +1261,22 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
     {
         const int ctx_pad = (ctx + 15) / 16 * 16, nqb = (n + AQ_ROWS - 1) / AQ_ROWS;
         const int ntasks = KV * ((H / KV + 3) / 4) * nqb;
-        float *kt = calloc((size_t)KV * hd * ctx_pad, sizeof(float));
-        if (!kt) {
-            PyErr_NoMemory();
-            goto done;
-        }
+        const int avx2 = g_avx2 && hd % 16 == 0 && hd <= 256;
         const float *k = bk.b.buf;
-        attn_t A = {bq.b.buf, kt, bv.b.buf, bo.b.buf, n, ctx, ctx_pad, H, KV, hd, nqb};
+        float *kt = NULL;
+        if (!avx2) { /* the portable path reads K transposed: kt[g][d][j] = k[j][g][d] */
+            kt = calloc((size_t)KV * hd * ctx_pad, sizeof(float));
+            if (!kt) {
+                PyErr_NoMemory();
+                goto done;
+            }
+        }
+        attn_t A = {bq.b.buf, k, kt, bv.b.buf, bo.b.buf, n, ctx, ctx_pad, H, KV, hd, nqb};
         Py_BEGIN_ALLOW_THREADS;
-        for (int j = 0; j < ctx; j++) /* kt[g][d][j] = k[j][g][d] */
-            for (int g = 0; g < KV; g++)
-                for (int d = 0; d < hd; d++) kt[((size_t)g * hd + d) * ctx_pad + j] = k[((size_t)j * KV + g) * hd + d];
+        if (kt != NULL)
+            for (int j = 0; j < ctx; j++)
+                for (int g = 0; g < KV; g++)
+                    for (int d = 0; d < hd; d++) kt[((size_t)g * hd + d) * ctx_pad + j] = k[((size_t)j * KV + g) * hd + d];
         if (threads == 1) {
             for (int t = 0; t < ntasks; t++) task_attention(&A, t);
         } else {
