@@ -80,6 +80,15 @@ FLAGS = (
         "requests accepted but not yet scheduled, at most (beyond: RESOURCE_EXHAUSTED)",
         int,
     ),
+    Flag(
+        "--long-prefill-token-threshold",
+        "backend.native.long_prefill_token_threshold",
+        "native: while decodes run, one prefill chunk costs at most this many tokens' work, attention to earlier "
+        "keys counted in (-1: a quarter of --max-num-tokens; 0: no cap), so every decode gets a token in a short "
+        "step",
+        int,
+        none_below_zero=True,
+    ),
     Flag("--max-num-seqs", "backend.max_num_seqs", "sequences per step (None: the engine's max_batch_size)", int),
     Flag("--max-num-tokens", "backend.max_num_tokens", "tokens per step (None: the engine's max_num_tokens)", int),
     Flag(

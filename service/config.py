@@ -35,6 +35,9 @@ class AdmissionConfig:
 @dataclass(frozen=True, slots=True)
 class NativeConfig:
     kv_cache_memory: str = "auto"  # auto (from the engine's limits, capped), bytes (512MiB) or a fraction
+    # while decodes run, a prefill chunk costs at most this many tokens' work; None: a quarter of
+    # max_num_tokens; 0: no cap (docs/scheduling.md)
+    long_prefill_token_threshold: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,8 @@ def make_scheduler(
     max_seq_len: int = 64,
     enable_prefix_caching: bool = True,
     max_bypass: int = 2,
+    long_prefill_token_threshold: int = 0,
+    attention_cost_per_key: float = 0.0,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -58,6 +60,8 @@ def make_scheduler(
         num_kv_blocks=num_blocks,
         enable_prefix_caching=enable_prefix_caching,
         max_bypass=max_bypass,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        attention_cost_per_key=attention_cost_per_key,
     )
     return Scheduler(cfg, KVCacheManager(BlockPool(num_blocks, enable_prefix_caching), block_size), fake_clock)
 

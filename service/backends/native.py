@@ -20,6 +20,7 @@ class NativeBackend:
             enable_prefix_caching=cfg.prefix_caching,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_tokens,
+            long_prefill_token_threshold=cfg.native.long_prefill_token_threshold,
         )
         self.engine = AsyncEngine(self.core, cfg.admission)
         self.tokenizer = self.core.tokenizer

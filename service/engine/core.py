@@ -46,6 +46,7 @@ class EngineCore:
         enable_prefix_caching: bool = True,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
+        long_prefill_token_threshold: int | None = None,
         sampler_seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -62,6 +63,7 @@ class EngineCore:
             enable_prefix_caching=enable_prefix_caching,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
         )
         self.runner = NumpyRunner(engine_dir, num_kv_blocks=num_kv_blocks, config=self.config)
         self.clock = clock

@@ -1,11 +1,12 @@
 """Iteration-level scheduler: which requests advance in the next step, and by how many tokens.
 
 There is no prefill or decode phase in the scheduler state: every request has num_computed_tokens and
-catches up to num_tokens within a per-step token budget. Running requests go first (so decodes are never
-starved by prefills, and a long prompt advances one chunk per step, leaving a quarter of the budget to
-waiting requests while there are some), then waiting requests in (priority, arrival) order while blocks,
-budget and the batch cap allow. When a running request cannot get a block, the lowest-priority, newest
-running request is preempted by recompute.
+catches up to num_tokens within a per-step token budget. Running decodes go first, one token each, so every
+one of them advances in every step; then running prefills, one chunk each (capped while decodes run, so the
+step that carries them stays short; leaving a quarter of the budget to waiting requests while there are
+some); then waiting requests in (priority, arrival) order while blocks, budget and the batch cap allow.
+When a running request cannot get a block, the lowest-priority, newest running request is preempted by
+recompute.
 """
 
 from __future__ import annotations
@@ -70,35 +71,44 @@ class Scheduler:
         # budget, so a short request arriving during a long chunked prefill starts in the next step.
         can_admit = self.waiting and len(self.running) < self.cfg.max_num_seqs
         reserve = int(budget * WAITING_RESERVE_FRACTION) if can_admit else 0
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new > 1:  # a prefill (or recompute) chunk
-                num_new = min(num_new, budget - reserve)
-                if num_new <= 0:
-                    i += 1
-                    continue
-            scheduled = True
-            while self.kv.allocate_slots(req, num_new) is None:
-                victim = max(self.running, key=lambda r: self._order[r.request_id])  # lowest priority, newest
-                index = self.running.index(victim)
-                budget += self._preempt(victim, out)
-                if index < i:
-                    i -= 1
-                if victim is req:
-                    scheduled = False
-                    break
-            if not scheduled:
-                continue  # `req` left self.running; the next request now sits at index i
-            self._schedule_seq(req, num_new, out)
-            budget -= num_new
-            i += 1
+        # 1. every running decode gets its token first, whatever prefill was admitted before it
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status == RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
+                budget = self._schedule_running(req, 1, budget, out)
+        # 2. then prefill (or recompute) chunks, each capped while decodes run: the step stays short
+        decoding = bool(out.scheduled)
+        for req in list(self.running):
+            need = req.num_tokens - req.num_computed_tokens
+            if budget <= reserve:
+                break
+            if req.status != RequestStatus.RUNNING or need <= 1:
+                continue
+            num_new = self._chunk(req, need, budget - reserve, decoding)
+            budget = self._schedule_running(req, num_new, budget, out)
         if not out.preempted_req_ids:  # admitting new work right after preempting would thrash
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, bool(out.scheduled))
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _chunk(self, req: Request, need: int, budget: int, decoding: bool) -> int:
+        """Tokens of `req`'s prompt to compute in this step: what is left, the budget, and the cap while decodes
+        run (SchedulerConfig.prefill_cap)."""
+        cap = self.cfg.prefill_cap(req.num_computed_tokens) if decoding else None
+        return min(need, budget, cap or need)
+
+    def _schedule_running(self, req: Request, num_new: int, budget: int, out: SchedulerOutput) -> int:
+        """Schedule num_new tokens of a running request, preempting the lowest-priority, newest running requests
+        while the pool cannot give it blocks (it may be the victim itself); returns the budget left."""
+        while self.kv.allocate_slots(req, num_new) is None:
+            victim = max(self.running, key=lambda r: self._order[r.request_id])  # lowest priority, newest
+            budget += self._preempt(victim, out)
+            if victim is req:
+                return budget
+        self._schedule_seq(req, num_new, out)
+        return budget - num_new
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, decoding: bool) -> None:
         j = 0
         while j < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             if j > 0 and self.waiting[0].num_bypassed >= self.cfg.max_bypass:
@@ -108,6 +118,8 @@ class Scheduler:
             if req.num_computed_tokens == 0:
                 computed, num_cached = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_cached, budget)
+            if decoding and num_new > 1:  # a new prompt's first chunk is capped too while decodes run
+                num_new = min(num_new, self.cfg.prefill_cap(num_cached) or num_new)
             if self.kv.allocate_slots(req, num_new, computed) is None:
                 j += 1  # does not fit now: a later (smaller) request may go ahead of it, a bounded number of times
                 continue

@@ -18,6 +18,11 @@ class SchedulerConfig:
     num_kv_blocks: int  # blocks in the pool
     enable_prefix_caching: bool = True
     max_bypass: int = 8  # later requests admitted ahead of a waiting head before admission stops for it
+    # While decodes run, one prefill chunk costs at most this many tokens' work (0: no cap), so the step that
+    # carries the decodes stays short (docs/scheduling.md); attention_cost_per_key converts the keys a chunk's
+    # tokens attend to into that unit, so a chunk deep into a long prompt is shorter than one at its start.
+    long_prefill_token_threshold: int = 0
+    attention_cost_per_key: float = 0.0  # one token's attention to one key / its linear layers' work (FLOPs)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "block_size", "num_kv_blocks"):
@@ -25,9 +30,20 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_bypass < 0:
             raise ValueError(f"max_bypass must be >= 0, got {self.max_bypass}")
+        if self.long_prefill_token_threshold < 0 or self.attention_cost_per_key < 0:
+            raise ValueError("long_prefill_token_threshold and attention_cost_per_key must be >= 0")
+
+    def prefill_cap(self, num_computed: int) -> int | None:
+        """Tokens one prefill chunk may take while decodes run, `num_computed` tokens into its prompt."""
+        if not self.long_prefill_token_threshold:
+            return None
+        cost = 1.0 + self.attention_cost_per_key * num_computed
+        return max(1, int(self.long_prefill_token_threshold / cost))
 
     @classmethod
     def from_engine(cls, engine: EngineConfig, num_kv_blocks: int, **overrides: object) -> SchedulerConfig:
+        """The engine's limits, with overrides; long_prefill_token_threshold None (the service's default) is a
+        quarter of the step's token budget."""
         limits = engine.limits
         values = {
             "max_num_seqs": limits.max_batch_size,
@@ -35,9 +51,25 @@ class SchedulerConfig:
             "max_seq_len": limits.max_seq_len,
             "block_size": limits.kv_block_size,
             "num_kv_blocks": num_kv_blocks,
+            "attention_cost_per_key": attention_cost_per_key(engine),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if overrides.get("long_prefill_token_threshold") is None:
+            values["long_prefill_token_threshold"] = values["max_num_batched_tokens"] // LONG_PREFILL_BUDGET_SHARE
         return cls(**values)
+
+
+LONG_PREFILL_BUDGET_SHARE = 4  # the default prefill chunk cap while decodes run: a quarter of the step's budget
+
+
+def attention_cost_per_key(engine: EngineConfig) -> float:
+    """FLOPs of one token attending to one key (QK and PV over every query head and layer) over the FLOPs of its
+    linear layers (2 per weight of the transformer layers): how much one more key costs, in tokens."""
+    a = engine.arch
+    layer_weights = a.num_hidden_layers * (
+        a.hidden_size * (a.q_size + 2 * a.kv_size) + a.q_size * a.hidden_size + 3 * a.hidden_size * a.intermediate_size
+    )
+    return 4 * a.q_size * a.num_hidden_layers / (2 * layer_weights)
 
 
 def available_memory_bytes() -> int:
