@@ -97,7 +97,10 @@ class Tokenizer:
         """
         if max_tokens is not None:
             self._check_length(text, add_special_tokens, max_tokens)
-        return self._encoding(text, add_special_tokens).ids
+        ids = self._encoding(text, add_special_tokens).ids
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise TooManyTokens(len(ids), len(text.encode()))
+        return ids
 
     def encode_with_tokens(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
         """Token ids and the token strings as the vocabulary spells them."""
