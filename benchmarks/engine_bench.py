@@ -31,9 +31,8 @@ CATEGORIES = ("matmuls", "attention", "norms/RoPE/SiLU", "LM head", "other (embe
 
 
 def weight_bytes_per_step(runner: NumpyRunner) -> int:
-    """Bytes every decode step streams: all layer matrices, the LM head and the norms (one embedding row)."""
-    total = sum(w.nbytes for layer in runner.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    return total + runner.lm_head.nbytes + runner.final_norm.nbytes
+    """Bytes every decode step streams (NumpyRunner.weight_bytes: the step statistics count the same)."""
+    return runner.weight_bytes
 
 
 def kv_bytes(runner: NumpyRunner, context: int) -> int:

@@ -10,6 +10,17 @@ import grpc
 from protos.llm.v1 import llm_pb2
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, where it has one worth showing: not None (the server decides), an empty
+    value or an off switch, and never twice (a help text that already names its default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if default is None or default == "" or default == [] or default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="127.0.0.1:50051", help="server address host:port")
     p.add_argument("--tls-ca", help="CA certificate (PEM) to verify the server; enables TLS")

@@ -11,12 +11,12 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.common import add_connection_args, open_channel
+from clients.common import HelpFormatter, add_connection_args, open_channel
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
         prog="python -m clients.health",
         description=__doc__.splitlines()[0],
     )

@@ -15,13 +15,20 @@ import time
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from clients.common import add_connection_args, add_sampling_args, build_request, call_metadata, open_channel
+from clients.common import (
+    HelpFormatter,
+    add_connection_args,
+    add_sampling_args,
+    build_request,
+    call_metadata,
+    open_channel,
+)
 from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
         prog="python -m clients.stream",
         description="Stream a completion from the service.",
     )
@@ -97,7 +104,12 @@ def client_timing(start: float, token_times: list[float]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(parse_args(argv))
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:  # Ctrl-C: the call is cancelled with the channel; no traceback
+        print("\ninterrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -40,13 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat", action="store_true", help="render the prompt as a user message with the chat template")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this cumulative probability")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens, 0 = all")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object per request instead of streaming text")
     p.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY, help="bytes (512MiB) or a fraction of RAM")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of common prompt prefixes")
     p.add_argument(
         "--skip-verify",
         action="store_true",

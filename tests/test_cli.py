@@ -47,3 +47,20 @@ def test_every_stream_flag_has_help() -> None:
         if line.startswith("  --") and len(line.split()) <= 2 and not nxt.startswith(" " * 8)
     ]
     assert not bare, f"flags without help: {bare}"
+
+
+@pytest.mark.parametrize("module", ["clients.stream", "clients.health", "clients.loadtest", "service.offline"])
+def test_help_names_each_default_once_and_only_real_ones(module: str) -> None:
+    text = " ".join(_help(sys.executable, "-m", module).split())
+    assert "(default: None)" not in text or module == "service.offline"  # offline's own defaults are real
+    assert "(default: made up) (default" not in text and ") (default: )" not in text
+
+
+def test_every_offline_flag_has_help() -> None:
+    lines = _help(sys.executable, "-m", "service.offline").splitlines() + [""]
+    bare = [
+        line.split()[0]
+        for line, nxt in itertools.pairwise(lines)
+        if line.startswith("  --") and len(line.split()) <= 2 and not nxt.startswith(" " * 8)
+    ]
+    assert not bare, f"flags without help: {bare}"

@@ -26,6 +26,7 @@ from service.engine.core import EngineCore
 from service.engine.quant import kernels
 from service.engine.runners.base import ForwardBatch, SeqChunk
 from service.engine.runners.numpy_runner import NumpyRunner
+from service.engine.stats import StepCost
 from tests.model_files import write_tiny_gguf
 from tests.naive_llama import NaiveLlama
 
@@ -107,6 +108,9 @@ def test_gguf_blocks_kept_as_they_are_are_exact(quant: str, tmp_path: Path) -> N
     a, b = NumpyRunner(packed, num_kv_blocks=16), NumpyRunner(fp32, num_kv_blocks=16)
     batch = ForwardBatch.from_chunks([SeqChunk(list(range(3, 40)), 0, list(range(16)))], 16)
     assert _rel_err(a.execute(batch), b.execute(batch)) <= 1e-5  # the same numbers as the float32 engine
+    # the step statistics count the bytes as stored (a GB/s figure that is not inflated 4-8x for 4-bit weights)
+    assert StepCost(a.config.arch, a.weight_bytes).weight_bytes == a.weight_bytes < b.weight_bytes / 2
+    assert StepCost(b.config.arch, b.weight_bytes).weight_bytes == b.weight_bytes
 
 
 @pytest.mark.parametrize(("mode", "group"), [("int8", 32), ("int4", 32), ("int4", 64)])

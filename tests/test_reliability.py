@@ -196,7 +196,7 @@ def test_health_answers_when_the_rpc_limit_is_taken(engine_dir: Path) -> None:
 def test_a_busy_port_is_refused(engine_dir: Path) -> None:
     with running_server(engine_dir) as first:
         second = ServerThread(make_config(engine_dir, port=first.server.port))
-        with pytest.raises(OSError, match=f"port {first.server.port}"):
+        with pytest.raises(OSError, match=f"gRPC port {first.server.port} .*--port / LLM_PORT"):
             second.start()
         second.stop()
         with socket.socket() as s:  # a busy metrics port is reported before the gRPC port is bound
@@ -204,7 +204,7 @@ def test_a_busy_port_is_refused(engine_dir: Path) -> None:
             s.listen()
             busy = s.getsockname()[1]
             third = ServerThread(make_config(engine_dir, metrics_port=busy))
-            with pytest.raises(OSError, match=f"metrics port {busy}"):
+            with pytest.raises(OSError, match=f"metrics port {busy} .*--metrics-port / LLM_METRICS_PORT"):
                 third.start()
             third.stop()
         assert _health(first) == SERVING
@@ -285,3 +285,22 @@ def test_stream_client_prints_one_clean_error_when_the_server_goes_away(engine_d
         assert [line for line in err.splitlines() if line.strip()] == ["error: UNAVAILABLE: Cancelling all calls"]
     finally:
         srv.stop()
+
+
+def test_ctrl_c_of_the_stream_client_prints_no_traceback(engine_dir: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    with running_server(engine_dir) as srv, srv.paced() as paced:
+        cmd = [sys.executable, "-m", "clients.stream", "--target", srv.target, "Hi", "--max-tokens", "900",
+               "--ignore-eos"]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while not proc.stdout.read(1):  # streaming
+            pass
+        paced.hold()  # still streaming when the signal comes
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130 and "Traceback" not in err and err.strip() == "interrupted"
+        paced.release()
+        _wait_idle(srv)  # the cancelled call's request was aborted

@@ -18,7 +18,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from clients.common import add_connection_args, call_metadata, open_aio_channel, open_channel
+from clients.common import HelpFormatter, add_connection_args, call_metadata, open_aio_channel, open_channel
 from clients.loadtest import report
 from clients.loadtest.backends import Backend, LLMBackend, Sampling, TritonBackend
 from clients.loadtest.driver import closed_loop, open_loop
@@ -38,7 +38,7 @@ def _range(text: str | None) -> tuple[int, int] | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
         prog="python -m clients.loadtest",
         description=__doc__.splitlines()[0],
     )
@@ -191,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.output:
         report.write_json(args.output, runs, meta)
+        console.print(f"wrote {args.output}")
     if args.csv:
         report.write_csv(args.csv, runs)
+        console.print(f"wrote {args.csv}")
     if args.plot:
         for path in report.write_plots(args.plot, runs):
             console.print(f"wrote {path}")

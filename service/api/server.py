@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from pathlib import Path
 
 import grpc
@@ -97,6 +98,7 @@ class LLMServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.metrics.watch_event_loop(asyncio.get_running_loop())
+        self._check_ports_free()  # one line naming every busy port and its flag, before gRPC core's own log
         self._start_metrics()  # every port is bound before anything says "listening"
         self.port = self._bind(server, credentials, cfg.port, "gRPC")
         if triton is not None:
@@ -143,6 +145,30 @@ class LLMServer:
         self.triton_servicer = TritonServicer(self.edge, self.metrics, self.cfg.max_requests_per_stream)
         return self.triton_servicer
 
+    def _ports(self) -> list[tuple[str, int, str]]:
+        """(what, port, the flag and variable that set it) of every port this server binds."""
+        cfg = self.cfg
+        ports = [("gRPC", cfg.port, "--port / LLM_PORT")]
+        if cfg.metrics_port is not None:
+            ports.append(("metrics", cfg.metrics_port, "--metrics-port / LLM_METRICS_PORT (-1: off)"))
+        if cfg.triton_port is not None:
+            ports.append(("Triton gRPC", cfg.triton_port, "--triton-port / LLM_TRITON_PORT"))
+        return ports
+
+    def _check_ports_free(self) -> None:
+        busy = []
+        for what, port, flag in self._ports():
+            if port == 0:
+                continue
+            with socket.socket(socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds its ports
+                try:
+                    probe.bind((self.cfg.host, port))
+                except OSError as exc:
+                    busy.append(f"{what} port {port} ({exc.strerror}; set it with {flag})")
+        if busy:
+            raise OSError(f"cannot bind on {self.cfg.host}: " + ", ".join(busy))
+
     def _start_metrics(self) -> None:
         cfg = self.cfg
         if cfg.metrics_port is None:
@@ -150,7 +176,10 @@ class LLMServer:
         try:
             self._metrics_http, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.metrics.registry)
         except OSError as exc:
-            raise OSError(f"metrics port {cfg.metrics_port} on {cfg.host} cannot be bound: {exc.strerror}") from None
+            raise OSError(
+                f"metrics port {cfg.metrics_port} on {cfg.host} cannot be bound: {exc.strerror} (set it with "
+                "--metrics-port / LLM_METRICS_PORT, -1: off)"
+            ) from None
         self.metrics_port = self._metrics_http.server_port
 
     def _bind(self, server: grpc.aio.Server, credentials: grpc.ServerCredentials | None, port: int, what: str) -> int:
@@ -158,7 +187,10 @@ class LLMServer:
         try:
             return server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
         except RuntimeError:  # grpc says only "Failed to bind"; with SO_REUSEPORT off, a busy port is the usual cause
-            raise OSError(f"{what} port {port} on {self.cfg.host} cannot be bound (in use?)") from None
+            flag = next(f for w, _, f in self._ports() if w == what)
+            raise OSError(
+                f"{what} port {port} on {self.cfg.host} cannot be bound (in use?); set it with {flag}"
+            ) from None
 
     def _add_services(self, server: grpc.aio.Server) -> None:
         s = self.servicer

@@ -69,7 +69,7 @@ class EngineCore:
         self.clock = clock
         self.sampler = Sampler(sampler_seed)
         self.reset()
-        self.cost = StepCost(self.config.arch)
+        self.cost = StepCost(self.config.arch, self.runner.weight_bytes)
         self.eos_token_ids = frozenset(self.config.tokenizer.eos_token_ids)
         sc = self.sched_cfg
         self.limits = RequestLimits(self.config.arch.vocab_size, sc.max_seq_len, sc.block_size, sc.num_kv_blocks)

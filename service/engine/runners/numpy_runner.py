@@ -123,6 +123,13 @@ class NumpyRunner:
         else:
             use_blas_threads()
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes every decode step streams, as stored (packed 4-bit blocks count as 4-bit): all layer matrices,
+        the LM head and the final norm (one embedding row besides)."""
+        layers = sum(m.nbytes for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down))
+        return layers + self.lm_head.nbytes + self.final_norm.nbytes
+
     @staticmethod
     def kv_bytes_per_block(config: EngineConfig) -> int:
         arch = config.arch
