@@ -9,22 +9,33 @@ fuzz      10,000 seeded field-level fuzzed requests (python -m clients.stress fu
 soak      10,000 streams, 20% cancelled at random points, auth on (python -m clients.stress soak), on a
           tiny-random engine by default (--soak-engine): the leak checks are about the service, not the model
 fairness  a 0.8 x max_seq_len prompt under a stream of short requests, and a short request during a long
-          chunked prefill (EngineCore driven directly, timed on the engine's clock)
+          chunked prefill (EngineCore driven directly, timed on the engine's clock); then through gRPC, a
+          decoding request's token gaps while a 6,000-token prompt is prefilled, with the long-prefill cap
+          and without it (--long-prefill-token-threshold 0)
+tokenize  the event loop's longest gap, health checks and another thread's rate while maximal prompts are
+          tokenized (an in-process server: its own loop is probed), against tokenizers' GIL-holding encode
+unread    a Triton stream that never reads (40 requests): other clients served, health, the slots it holds,
+          and when the stall watch ends it
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from benchmarks.common import free_port, machine_line, start_service, write_section
@@ -266,12 +277,227 @@ def _decode_step_ms(core: EngineCore) -> float:
     return ms
 
 
+# ---- prefill fairness through gRPC -----------------------------------------------------------------------------
+def _gaps_during_prefill(engine: str, long_len: int, seed: int, *flags: str) -> tuple[float, list[float]]:
+    """(the long prompt's TTFT in s, a decoding request's token gaps in s while the long prompt was prefilled)."""
+    proc, target, _ = _served(engine, *flags)
+    try:
+        stub = llm_pb2_grpc.LLMServiceStub(grpc.insecure_channel(target))
+        info = stub.GetModelInfo(llm_pb2.GetModelInfoRequest())
+        rng = np.random.default_rng(seed)  # a prompt of its own each run: nothing from the prefix cache
+        long_ids = rng.integers(100, info.vocab_size, long_len).tolist()
+        short = stub.Generate(llm_pb2.GenerateRequest(
+            prompt="Count slowly:", stopping=llm_pb2.StoppingParams(max_tokens=4096, ignore_eos=True)))  # fmt: skip
+        next(short)  # decoding
+        times: list[float] = []
+        done = threading.Event()
+
+        def read_short() -> None:
+            try:
+                for _ in short:
+                    times.append(time.monotonic())
+                    if done.is_set():
+                        break
+            except grpc.RpcError:
+                pass
+
+        reader = threading.Thread(target=read_short, daemon=True)
+        reader.start()
+        start = time.monotonic()
+        req = llm_pb2.GenerateRequest(prompt_token_ids=llm_pb2.TokenIds(ids=long_ids),
+                                      stopping=llm_pb2.StoppingParams(max_tokens=1))  # fmt: skip
+        list(stub.Generate(req, timeout=600))
+        ttft = time.monotonic() - start
+        done.set()
+        short.cancel()
+        reader.join(30)
+        during = [t for t in times if t <= start + ttft]
+        return ttft, [b - a for a, b in zip([start, *during], during, strict=False)]
+    finally:
+        _stop(proc)
+
+
+def prefill_fairness_figure(engine: str, long_len: int = 6000) -> tuple[str, str, str]:
+    capped = _gaps_during_prefill(engine, long_len, 1)
+    uncapped = _gaps_during_prefill(engine, long_len, 2, "--long-prefill-token-threshold", "0")
+    (ttft, gaps), (ttft0, gaps0) = capped, uncapped
+    return (f"a decoding request's inter-token gaps while a {long_len}-token prompt is prefilled (through gRPC)",
+            f"with the long-prefill cap (default): max {max(gaps):.2f} s, p90 {np.percentile(gaps, 90):.2f} s over "
+            f"{len(gaps)} tokens; the long prompt's TTFT {ttft:.1f} s. Without it (--long-prefill-token-threshold 0): "
+            f"max {max(gaps0):.2f} s, p90 {np.percentile(gaps0, 90):.2f} s over {len(gaps0)} tokens, TTFT "
+            f"{ttft0:.1f} s ({ttft / ttft0:.2f}x)",
+            "max <= 1.0 s, p90 <= 0.5 s; the long prompt's TTFT within +25% of the uncapped one")  # fmt: skip
+
+
+# ---- tokenization ------------------------------------------------------------------------------------------------
+class _InProcessServer:
+    """An LLMServer in its own event-loop thread, so the bench can probe that loop."""
+
+    def __init__(self, engine: str) -> None:
+        from service.api.server import LLMServer
+        from service.config import BackendConfig, NativeConfig, ServerConfig
+
+        cfg = ServerConfig(backend=BackendConfig(engine_dir=engine, native=NativeConfig(kv_cache_memory=KV)),
+                           port=0, metrics_port=None, measure_ceilings=False)  # fmt: skip
+        self.server = LLMServer(cfg)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(300)
+        self.target = f"127.0.0.1:{self.server.port}"
+
+    def longest_loop_gap(self, during) -> float:
+        """Seconds of the longest stretch the server's event loop did not run, while `during()` runs here."""
+        stop = threading.Event()
+
+        async def probe() -> float:
+            worst, last = 0.0, time.monotonic()
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+                now = time.monotonic()
+                worst, last = max(worst, now - last - 0.005), now
+            return worst
+
+        future = asyncio.run_coroutine_threadsafe(probe(), self.loop)
+        try:
+            during()
+        finally:
+            stop.set()
+        return future.result(60)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.drain_and_stop(0), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def _maximal_tokenizations(target: str, text: str, health_stub) -> tuple[int, int]:
+    """Two maximal Tokenize calls and one too-long Generate at once, on connections of their own, while health
+    is asked every 50 ms: (health checks answered within 100 ms, asked)."""
+    own = [("grpc.use_local_subchannel_pool", 1)]
+    stubs = [llm_pb2_grpc.LLMServiceStub(grpc.insecure_channel(target, options=own)) for _ in range(3)]
+    done, answers = threading.Event(), []
+
+    def ask_health() -> None:
+        while not done.is_set():
+            start = time.monotonic()
+            health_stub.Check(health_pb2.HealthCheckRequest(), timeout=30)
+            answers.append(time.monotonic() - start)
+            time.sleep(0.05)
+
+    checker = threading.Thread(target=ask_health, daemon=True)
+    checker.start()
+    calls = [stubs[0].Tokenize.future(llm_pb2.TokenizeRequest(text=text), timeout=300),
+             stubs[1].Tokenize.future(llm_pb2.TokenizeRequest(text=text), timeout=300)]  # fmt: skip
+    with contextlib.suppress(grpc.RpcError):  # refused: it cannot fit
+        list(stubs[2].Generate(llm_pb2.GenerateRequest(prompt=text), timeout=300))
+    for c in calls:
+        c.result()
+    done.set()
+    checker.join(60)
+    return sum(a < 0.1 for a in answers), len(answers)
+
+
+def tokenize_figure(engine: str) -> tuple[str, str, str]:
+    from service import tokenizer as tokenizer_module
+
+    srv = _InProcessServer(engine)
+    try:
+        stub = llm_pb2_grpc.LLMServiceStub(grpc.insecure_channel(srv.target))
+        limit = stub.GetModelInfo(llm_pb2.GetModelInfoRequest()).max_text_bytes
+        prose = "The keeper climbed the stairs at dusk, 1,204 steps, and lit the lamp for the 船 ships 🌊. "
+        text = (prose * (limit // len(prose) + 1)).encode()[:limit].decode(errors="ignore")  # at most limit bytes
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(srv.target))
+        result = {}
+        now = tokenizer_module.Tokenizer._encoding
+        held = lambda self, text, add: self._tok.encode(text, add_special_tokens=add)  # noqa: E731 (as before)
+        for name, encoding in (("now", now), ("gil", held)):
+            tokenizer_module.Tokenizer._encoding = encoding
+            try:
+                health_counts: list[tuple[int, int]] = []
+                gap = srv.longest_loop_gap(
+                    lambda counts=health_counts: counts.append(_maximal_tokenizations(srv.target, text, health))
+                )
+                result[name] = (gap, *health_counts[0])
+            finally:
+                tokenizer_module.Tokenizer._encoding = now
+    finally:
+        srv.close()
+    (gap, fast, asked), (gap0, fast0, asked0) = result["now"], result["gil"]
+    return (f"two maximal Tokenize calls ({limit:,}-byte texts of prose with CJK and emoji) and a too-long "
+            "Generate at once, health asked every 50 ms (in-process server, its own event loop probed every 5 ms)",
+            f"longest event-loop gap {gap * 1e3:.0f} ms, {fast}/{asked} health checks answered within 100 ms; with "
+            f"tokenizers' GIL-holding encode (before): {gap0 * 1e3:.0f} ms, {fast0}/{asked0}",
+            "event loop's longest gap < 100 ms")  # fmt: skip
+
+
+# ---- a client that never reads ---------------------------------------------------------------------------------
+def unread_figure(engine: str, stall_s: float = 10.0) -> tuple[str, str, str]:
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    proc, target, metrics = _served(engine, "--triton-port", str(triton := free_port()),
+                                    "--stream-stall-timeout", str(stall_s))  # fmt: skip
+    try:
+        small = [
+            ("grpc.use_local_subchannel_pool", 1),
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", 1024),
+        ]
+        channel = grpc.insecure_channel(f"127.0.0.1:{triton}", options=small)
+
+        def request(i: int):
+            req = service_pb2.ModelInferRequest(model_name="tensorrt_llm", id=f"u{i}")
+            for name, dtype, value in (("input_ids", "INT32", [[5, 6, 7]]), ("input_lengths", "INT32", [[3]]),
+                                       ("request_output_len", "INT32", [[300]]), ("streaming", "BOOL", [[True]]),
+                                       ("end_id", "INT32", [[-1]])):  # fmt: skip
+                arr = np.array(value, dtype=np.bool_ if dtype == "BOOL" else np.int32)
+                req.inputs.add(name=name, datatype=dtype, shape=list(arr.shape))
+                req.raw_input_contents.append(arr.tobytes())
+            return req
+
+        opened = time.monotonic()
+        call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            iter([request(i) for i in range(40)])
+        )
+        stub = llm_pb2_grpc.LLMServiceStub(grpc.insecure_channel(target))
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+        latencies, serving, slots_idle = [], 0, None
+        ended = None
+        req = llm_pb2.GenerateRequest(prompt="Hello", stopping=llm_pb2.StoppingParams(max_tokens=16, ignore_eos=True))
+        while ended is None and time.monotonic() - opened < stall_s + 60:
+            start = time.monotonic()
+            list(stub.Generate(req, timeout=60))
+            latencies.append(time.monotonic() - start)
+            serving += health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+            if slots_idle is None and _metric(metrics, "llm_rpc_slots_used") == 0:
+                slots_idle = time.monotonic() - opened
+            if _metric(metrics, "llm_streams_stalled_total") >= 1:
+                ended = time.monotonic() - opened
+        call.cancel()
+        blocks = _metric(metrics, "llm_kv_cache_blocks_used")
+    finally:
+        _stop(proc)
+    return (f"one Triton stream that never reads (40 x 300-token requests, a 1 KB HTTP/2 window), "
+            f"--stream-stall-timeout {stall_s:.0f} s, another client's 16-token Generate in a loop",
+            f"{len(latencies)} other Generates all OK (p50 {np.median(latencies) * 1e3:.0f} ms, max "
+            f"{max(latencies) * 1e3:.0f} ms), health SERVING {serving}/{len(latencies)}; the stream held no slot "
+            f"from {slots_idle:.1f} s (its work done, its responses unread); ended at {ended:.1f} s; KV blocks "
+            f"after: {blocks:.0f}",
+            "other clients served, health SERVING, no slot kept once the work ends, the stream ended after the "
+            "stall timeout")  # fmt: skip
+
+
+def _metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    m = re.search("^" + re.escape(name) + r" (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 # ---- report -----------------------------------------------------------------------------------------------------
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", default="engines/smollm2-135m")
     p.add_argument("--soak-engine", help="engine for the soak (default: a tiny-random engine built for it)")
-    p.add_argument("--only", default="fault,abuse,fuzz,soak,fairness")
+    p.add_argument("--only", default="fault,abuse,fuzz,soak,fairness,tokenize,unread")
     p.add_argument("--fuzz-requests", type=int, default=10_000)
     p.add_argument("--soak-streams", type=int, default=10_000)
     p.add_argument("--write", action="store_true", help="write docs/reliability.md's figures section")
@@ -294,6 +520,11 @@ def main() -> None:
             rows.append(soak_figure(soak_engine, args.soak_streams))
     if "fairness" in only:
         rows += fairness_figures(args.engine)
+        rows.append(prefill_fairness_figure(args.engine))
+    if "tokenize" in only:
+        rows.append(tokenize_figure(args.engine))
+    if "unread" in only:
+        rows.append(unread_figure(args.engine))
     cmd = "python -m benchmarks.reliability_bench " + " ".join(sys.argv[1:]).replace(" --write", "")
     lines = [
         f"Command: `{cmd.strip()}` ({(time.monotonic() - started) / 60:.0f} min)  ",

@@ -104,8 +104,15 @@ class Tokenizer:
 
     def encode_with_tokens(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[str]]:
         """Token ids and the token strings as the vocabulary spells them."""
-        encoding = self._encoding(text, add_special_tokens)
-        return encoding.ids, encoding.tokens
+        ids = self._encoding(text, add_special_tokens).ids
+        # NOTE: Encoding.tokens builds its list in one call holding the GIL (75 ms for 214k tokens); a list
+        # comprehension over the vocabulary lets other threads in between.
+        vocab = self._token_strings
+        return ids, [vocab[i] for i in ids]
+
+    @functools.cached_property
+    def _token_strings(self) -> list[str]:
+        return [self._tok.id_to_token(i) or "" for i in range(self.vocab_size)]
 
     def _encoding(self, text: str, add_special_tokens: bool) -> tokenizers.Encoding:
         # NOTE: Tokenizer.encode holds the GIL for the whole call (seconds for a large text: every other

@@ -52,6 +52,51 @@ def test_compiled_attention_equals_numpy(shape: tuple, threads: int, isa) -> Non
     assert float(np.abs(out - ref).max() / np.abs(ref).max()) < 1e-5
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}-ctx{}-h{}-kv{}-hd{}".format(*s))
+@pytest.mark.parametrize("threads", [1, 0], ids=["1-thread", "pool"])
+def test_paged_attention_reads_the_blocks_in_place(shape: tuple, threads: int, isa) -> None:
+    """The same attention read through a block table from a paged cache (scattered blocks, a partial last one):
+    bitwise the contiguous kernel's result; None where only the portable path could run (the caller gathers)."""
+    from service.engine.runners.kernels import paged_causal_attention
+
+    n, ctx, heads, kv_heads, hd = shape
+    rng = np.random.default_rng(n * 7 + ctx)
+    bs = 16
+    nblk = -(-ctx // bs)
+    q = rng.standard_normal((n, heads, hd), dtype=np.float32) / np.float32(np.sqrt(hd))
+    k_layer = rng.standard_normal((3 * nblk + 5, bs, kv_heads, hd), dtype=np.float32)
+    v_layer = rng.standard_normal((3 * nblk + 5, bs, kv_heads, hd), dtype=np.float32)
+    table = rng.permutation(len(k_layer))[:nblk].astype(np.int64)
+    k = k_layer[table].reshape(-1, kv_heads, hd)[:ctx]
+    v = v_layer[table].reshape(-1, kv_heads, hd)[:ctx]
+    paged = quant.paged_attention(q, k_layer, v_layer, table, ctx, threads)
+    contiguous = quant.attention(q, k, v, threads)
+    if paged is None:  # the portable path: the runner gathers, then attention()
+        assert hd % 16 or hd > 256 or quant_is_generic()
+    else:
+        assert np.array_equal(paged, contiguous)
+    np.testing.assert_array_equal(paged_causal_attention(q, k_layer, v_layer, table, ctx), contiguous)
+
+
+def quant_is_generic() -> bool:
+    from service.engine.quant import _kernels
+
+    out = np.empty((1, 16), np.float32)
+    one = np.zeros((1, 1, 1, 16), np.float32)
+    return not _kernels.paged_attention(np.zeros((1, 1, 16), np.float32), one, one, np.zeros(1, np.int64), out,
+                                        1, 1, 1, 1, 16, 1, 1, 1)  # fmt: skip
+
+
+def test_paged_attention_refuses_block_ids_outside_the_cache() -> None:
+    from service.engine.quant import _kernels
+
+    q = np.zeros((2, 2, 16), np.float32)
+    cache = np.zeros((4, 16, 1, 16), np.float32)
+    with pytest.raises(ValueError, match="block id 4 out of range"):
+        _kernels.paged_attention(q, cache, cache, np.array([0, 4], np.int64), np.empty((2, 32), np.float32),
+                                 2, 20, 2, 1, 16, 16, 4, 1)  # fmt: skip
+
+
 def test_large_scores_do_not_overflow() -> None:
     rng = np.random.default_rng(1)
     q = rng.standard_normal((20, 2, 64), dtype=np.float32) * 30  # scores in the thousands

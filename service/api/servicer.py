@@ -27,6 +27,7 @@ from service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+REPLY_SLICE = 8192  # tokens per protobuf call when a Tokenize reply is built
 DEADLINE_SLACK_S = 0.01  # a cancellation this close to the client's deadline is the deadline
 
 FINISH_REASONS = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_LENGTH}
@@ -172,7 +173,11 @@ def tokenize(prompt: PromptInput, tokenizer: Tokenizer) -> llm_pb2.TokenizeRespo
     """The Tokenize RPC's work (slow for big inputs: runs in the pool)."""
     text = prompt.render(tokenizer)
     ids, tokens = tokenizer.encode_with_tokens(text, add_special_tokens=prompt.messages is None)
-    return llm_pb2.TokenizeResponse(token_ids=ids, tokens=tokens, rendered=text if prompt.messages is not None else "")
+    resp = llm_pb2.TokenizeResponse(rendered=text if prompt.messages is not None else "")
+    for i in range(0, len(ids), REPLY_SLICE):  # in slices: one protobuf call for 200k tokens holds the GIL 30 ms
+        resp.token_ids.extend(ids[i : i + REPLY_SLICE])
+        resp.tokens.extend(tokens[i : i + REPLY_SLICE])
+    return resp
 
 
 def model_info(backend: Backend, max_concurrent_rpcs: int) -> llm_pb2.ModelInfo:

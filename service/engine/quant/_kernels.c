@@ -663,6 +663,8 @@ typedef struct {
     const float *q, *k, *kt, *v; /* kt: K transposed for the portable path; NULL on the AVX2 path */
     float *out;
     int n, ctx, ctx_pad, H, KV, hd, nqb;
+    const int64_t *table; /* paged: k, v are a layer's cache [num_blocks][bs][KV][hd], key j in block table[j/bs] */
+    int bs;
 } attn_t;
 
 AVX2_INLINE __m256 exp256(__m256 x) {
@@ -708,13 +710,13 @@ typedef struct {
     float acc[AQ_ROWS][4][256] __attribute__((aligned(32)));
     float kt[256 * AK_TILE] __attribute__((aligned(32)));
     float s[4][AK_TILE] __attribute__((aligned(32)));
+    const float *vrow[AK_TILE]; /* the tile's V rows (in place in a paged cache) */
 } attn_scratch_t;
 
 AVX2_INLINE void attn_block_avx2(const attn_t *A, int h0, int i0, int i1, const int R, attn_scratch_t *W) {
     const int hd = A->hd, kvh = h0 / (A->H / A->KV), rows = i1 - i0;
     const int row_last0 = A->ctx - A->n + i0; /* the last key query row i0 sees; row i sees i - i0 more */
     const int last_max = row_last0 + rows - 1;
-    const size_t ldv = (size_t)A->KV * hd;
     for (int i = 0; i < rows; i++)
         for (int r = 0; r < R; r++) {
             W->m[i][r] = -INFINITY;
@@ -725,13 +727,16 @@ AVX2_INLINE void attn_block_avx2(const attn_t *A, int h0, int i0, int i1, const 
         const int tile = last_max + 1 - j0 < AK_TILE ? last_max + 1 - j0 : AK_TILE;
         const int tile_pad = (tile + 15) / 16 * 16;
         for (int j = 0; j < tile_pad; j++) { /* kt[d][j] = k[j0 + j][kvh][d]; zeros past the tile */
-            const float *kj = A->k + ((size_t)(j0 + j) * A->KV + kvh) * hd;
-            if (j < tile)
-                for (int d = 0; d < hd; d++) W->kt[d * AK_TILE + j] = kj[d];
-            else
+            if (j >= tile) {
                 for (int d = 0; d < hd; d++) W->kt[d * AK_TILE + j] = 0.0f;
+                continue;
+            }
+            const int pos = j0 + j;
+            const size_t row = A->table ? (size_t)A->table[pos / A->bs] * A->bs + pos % A->bs : (size_t)pos;
+            const float *kj = A->k + (row * A->KV + kvh) * hd;
+            W->vrow[j] = A->v + (row * A->KV + kvh) * hd;
+            for (int d = 0; d < hd; d++) W->kt[d * AK_TILE + j] = kj[d];
         }
-        const float *vbase = A->v + ((size_t)j0 * A->KV + kvh) * hd;
         for (int i = 0; i < rows; i++) {
             const int last = row_last0 + i;
             if (last < j0) continue; /* this row sees none of the tile */
@@ -786,7 +791,7 @@ AVX2_INLINE void attn_block_avx2(const attn_t *A, int h0, int i0, int i1, const 
                     o1[r] = _mm256_load_ps(W->acc[i][r] + c + 8);
                 }
                 for (int j = 0; j < nk; j++) {
-                    const float *vj = vbase + j * ldv + c;
+                    const float *vj = W->vrow[j] + c;
                     const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
                     for (int r = 0; r < R; r++) {
                         const __m256 pj = _mm256_broadcast_ss(W->s[r] + j);
@@ -1271,7 +1276,7 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
                 goto done;
             }
         }
-        attn_t A = {bq.b.buf, k, kt, bv.b.buf, bo.b.buf, n, ctx, ctx_pad, H, KV, hd, nqb};
+        attn_t A = {bq.b.buf, k, kt, bv.b.buf, bo.b.buf, n, ctx, ctx_pad, H, KV, hd, nqb, NULL, 0};
         Py_BEGIN_ALLOW_THREADS;
         if (kt != NULL)
             for (int j = 0; j < ctx; j++)
@@ -1291,6 +1296,68 @@ done:
     rel_buf(&bq);
     rel_buf(&bk);
     rel_buf(&bv);
+    rel_buf(&bo);
+    return ret;
+}
+
+/* paged_attention(q, k_layer, v_layer, table, out, n, ctx, H, KV, hd, bs, num_blocks, threads): causal_attention
+ * of one sequence read in place from a layer's paged cache [num_blocks][bs][KV][hd] through its block table (no
+ * gather into a contiguous copy: at 6,000 keys that copy cost 1.5 ms a layer, every step). AVX2 only: returns
+ * False where the portable path would run (the caller gathers instead). */
+static int get_i64(PyObject *o, buf_t *bb, Py_ssize_t need, const char *what);
+static int as_int(PyObject *o, long lo, long hi, const char *what, long *out);
+static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "paged_attention(q, k, v, table, out, n, ctx, H, KV, hd, bs, num_blocks, threads)");
+        return NULL;
+    }
+    long n, ctx, H, KV, hd, bs, nb, threads;
+    if (as_int(args[5], 1, 1 << 24, "n", &n) || as_int(args[6], 1, 1 << 24, "ctx", &ctx) ||
+        as_int(args[7], 1, 4096, "H", &H) || as_int(args[8], 1, 4096, "KV", &KV) ||
+        as_int(args[9], 1, 1024, "hd", &hd) || as_int(args[10], 1, 1 << 16, "block_size", &bs) ||
+        as_int(args[11], 1, 1L << 40, "num_blocks", &nb) || as_int(args[12], 0, 1 << 16, "threads", &threads))
+        return NULL;
+    if (n > ctx || H % KV) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention: need n <= ctx and H a multiple of KV");
+        return NULL;
+    }
+    if (!(g_avx2 && hd % 16 == 0 && hd <= 256)) Py_RETURN_FALSE;
+    buf_t bq, bk, bv, bt, bo;
+    bq.ok = bk.ok = bv.ok = bt.ok = bo.ok = 0;
+    PyObject *ret = NULL;
+    const Py_ssize_t cache = (Py_ssize_t)nb * bs * KV * hd * 4, nblk = (ctx + bs - 1) / bs;
+    if (get_buf(args[0], &bq, 0, (Py_ssize_t)n * H * hd * 4, "q", 1) < 0) goto done;
+    if (get_buf(args[1], &bk, 0, cache, "k", 1) < 0) goto done;
+    if (get_buf(args[2], &bv, 0, cache, "v", 1) < 0) goto done;
+    if (get_i64(args[3], &bt, nblk, "table") < 0) goto done;
+    if (get_buf(args[4], &bo, 1, (Py_ssize_t)n * H * hd * 4, "out", 1) < 0) goto done;
+    {
+        const int64_t *tb = bt.b.buf;
+        for (Py_ssize_t i = 0; i < nblk; i++)
+            if (tb[i] < 0 || tb[i] >= nb) {
+                PyErr_Format(PyExc_ValueError, "block id %lld out of range [0, %ld)", (long long)tb[i], nb);
+                goto done;
+            }
+        const int nqb = (int)((n + AQ_ROWS - 1) / AQ_ROWS);
+        const int ntasks = (int)(KV * ((H / KV + 3) / 4) * nqb);
+        attn_t A = {bq.b.buf, bk.b.buf, NULL, bv.b.buf, bo.b.buf, (int)n, (int)ctx, 0, (int)H, (int)KV, (int)hd,
+                    nqb, tb, (int)bs};
+        Py_BEGIN_ALLOW_THREADS;
+        if (threads == 1) {
+            for (int t = 0; t < ntasks; t++) task_attention(&A, t);
+        } else {
+            pool_run(task_attention, &A, ntasks);
+        }
+        Py_END_ALLOW_THREADS;
+    }
+    ret = Py_True;
+    Py_INCREF(ret);
+done:
+    rel_buf(&bq);
+    rel_buf(&bk);
+    rel_buf(&bv);
+    rel_buf(&bt);
     rel_buf(&bo);
     return ret;
 }
@@ -1584,6 +1651,8 @@ static PyMethodDef methods[] = {
      "dequantize_t(kind, w, rows, cols, out[cols, rows])"},
     {"attention", (PyCFunction)(void (*)(void))py_attention, METH_FASTCALL,
      "attention(q, k, v, out, n, ctx, H, KV, hd, threads): causal grouped-query attention of one sequence"},
+    {"paged_attention", (PyCFunction)(void (*)(void))py_paged_attention, METH_FASTCALL,
+     "paged_attention(q, k, v, table, out, n, ctx, H, KV, hd, bs, num_blocks, threads): causal attention in place"},
     {"decode_attention", (PyCFunction)(void (*)(void))py_decode_attention, METH_FASTCALL,
      "decode_attention(q, k, v, tables, starts, lens, out, B, H, KV, hd, bs, num_blocks, threads)"},
     {"rmsnorm", (PyCFunction)(void (*)(void))py_rmsnorm, METH_FASTCALL, "rmsnorm(x, gain, eps, out, T, D)"},

@@ -120,6 +120,23 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, threads: int = 0) -> 
     return out
 
 
+def paged_attention(
+    q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table: np.ndarray, ctx: int, threads: int = 0
+) -> np.ndarray | None:
+    """causal attention of one sequence read in place from a layer's paged cache (k_layer, v_layer:
+    [num_blocks, block_size, KV, hd]) through its block table (int64, covering ctx keys); None where the
+    compiled AVX2 path cannot run (the caller gathers the blocks and calls attention())."""
+    if _qk is None or not hasattr(_qk, "paged_attention"):
+        return None
+    n, heads, hd = q.shape
+    num_blocks, block_size, kv_heads, _ = k_layer.shape
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    out = np.empty((n, heads * hd), dtype=np.float32)  # [n, H * hd]
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    args = (n, ctx, heads, kv_heads, hd, block_size, num_blocks, threads)
+    return out if _qk.paged_attention(q, k_layer, v_layer, table, out, *args) else None
+
+
 _DEQ_BUF: dict[str, np.ndarray] = {}  # reusable fp32 buffer for the prefill path (grown to the largest matrix)
 
 

@@ -148,6 +148,20 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     return causal_attention_numpy(q, k, v)
 
 
+def paged_causal_attention(
+    q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table: np.ndarray, ctx: int
+) -> np.ndarray:
+    """causal_attention over a sequence's blocks of a layer's cache ([num_blocks, block_size, KV, hd]): read in
+    place by the compiled kernel where it can, else gathered into a contiguous copy first."""
+    compiled = quant.paged_attention(q, k_layer, v_layer, table, ctx, _ATTENTION_THREADS[0])
+    if compiled is not None:
+        return compiled
+    kv, hd = k_layer.shape[2], k_layer.shape[3]
+    k = np.take(k_layer, table, axis=0).reshape(-1, kv, hd)[:ctx]  # [ctx, KV, hd] gathered
+    v = np.take(v_layer, table, axis=0).reshape(-1, kv, hd)[:ctx]
+    return causal_attention(q, k, v)
+
+
 def causal_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     """causal_attention in numpy (BLAS score matrices, query chunks): the fallback without the C extension."""
     n, n_heads, head_dim = q.shape

@@ -21,9 +21,9 @@ from build_engine.tensor_io import SafetensorsFile
 from service.engine.runners.base import ForwardBatch
 from service.engine.runners.kernels import (
     apply_rope,
-    causal_attention,
     embedding_rows,
     linear,
+    paged_causal_attention,
     rms_normalize,
     rope_tables,
     silu_mul,
@@ -183,9 +183,6 @@ class NumpyRunner:
             out[rows] = self.decode_attention(q[rows], k_layer, v_layer, plan.decode_inputs).reshape(len(rows), -1)
         qsl = batch.query_start_loc
         for b in plan.other_seqs:  # one causal attention per sequence over the blocks of its table
-            ctx = int(batch.seq_lens[b])
-            table = batch.block_tables[b]
-            k = k_layer[table].reshape(-1, self.n_kv_heads, self.head_dim)[:ctx]  # [ctx, KV, hd] gathered
-            v = v_layer[table].reshape(-1, self.n_kv_heads, self.head_dim)[:ctx]  # [ctx, KV, hd]
-            out[qsl[b] : qsl[b + 1]] = causal_attention(q[qsl[b] : qsl[b + 1]], k, v)
+            ctx, table = int(batch.seq_lens[b]), batch.block_tables[b]
+            out[qsl[b] : qsl[b + 1]] = paged_causal_attention(q[qsl[b] : qsl[b + 1]], k_layer, v_layer, table, ctx)
         return out
