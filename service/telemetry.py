@@ -37,6 +37,14 @@ class StepStats:
 
 
 @dataclass(frozen=True, slots=True)
+class Ceilings:
+    """This machine's ceilings, measured at startup (service/engine/roofline.py measures them)."""
+
+    gemm_gflops: float  # fp32 GEMM rate
+    read_gbytes_per_s: float  # best read bandwidth measured
+
+
+@dataclass(frozen=True, slots=True)
 class BackendStats:
     """Gauges of a backend's state (for the native engine exact; for others as their own stats report)."""
 

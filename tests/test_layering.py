@@ -26,7 +26,7 @@ def test_scheduling_side_is_pure_python(module: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["service.engine.core", "service.engine.async_engine", "service.engine.runners.numpy_runner"]
+    "module", ["service.engine.core", "service.engine.scheduler", "service.engine.runners.numpy_runner"]
 )
 def test_engine_does_not_import_protobuf_or_grpc(module: str) -> None:
     loaded = _loaded_after(module)

@@ -125,7 +125,7 @@ def test_oversized_chat_is_refused_by_size_before_tokenizing(server: ServerThrea
     with pytest.raises(grpc.RpcError) as err:
         list(server.stub().Generate(llm_pb2.GenerateRequest(messages=messages)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "messages" in err.value.details()
-    assert time.perf_counter() - start < 0.5
+    assert time.perf_counter() - start < 2.0  # tokenizing 3.5 MB would take seconds: it was refused by its size
     with pytest.raises(grpc.RpcError) as err:
         server.stub().Tokenize(llm_pb2.TokenizeRequest(text="y" * 3_000_000))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in err.value.details()

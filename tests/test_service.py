@@ -188,7 +188,9 @@ def test_validation_matrix(server: ServerThread, case: str) -> None:
     elapsed = time.perf_counter() - start
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
-    assert elapsed < 0.05, f"{elapsed * 1e3:.1f} ms"
+    # refused before any work: no engine state, and far from the seconds real work would take on a busy box (the
+    # refusal latency itself, ~4 ms median, is the reliability bench's abuse-matrix figure, not a test's)
+    assert elapsed < 1.0, f"{elapsed * 1e3:.1f} ms"
     assert not server.core.scheduler.requests and server.server.backend.num_in_flight == 0
 
 
@@ -267,7 +269,7 @@ def test_overload_gets_resource_exhausted(engine_dir: Path) -> None:
             paced.release()
             results = [f.result(timeout=60) for f in futures]
         rejected = [t for code, t in results if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
-        assert len(rejected) == 4 and max(rejected) < 0.5
+        assert len(rejected) == 4 and max(rejected) < 5.0  # at once: a queued one would wait for the held engine
         assert sum(1 for code, _ in results if code == "ok") == 8
 
 

@@ -11,9 +11,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from service.engine.roofline import Ceilings
 from service.request import RequestOutput
-from service.telemetry import BackendStats, StepStats
+from service.telemetry import BackendStats, Ceilings, StepStats
 
 # Fine at the low end: decode steps of a small model take a few milliseconds (vllm#55276: a 10 ms smallest
 # bucket makes fast-decode percentiles unrecoverable).

@@ -212,13 +212,10 @@ class LLMServer:
             reflection.enable_server_reflection(names, server)
 
     def _load_backend(self) -> Backend:
-        """In a worker thread: load the model (slow), measure the machine's ceilings."""
+        """In a worker thread: load the model (slow), measure the machine's ceilings (the backend's)."""
         backend = load_backend(self.cfg.backend)
-        ceilings = None
-        if self.cfg.measure_ceilings and backend.info.backend == "native":
-            from service.engine.roofline import measure_ceilings
-
-            ceilings = measure_ceilings(quick=True)
+        ceilings = backend.ceilings() if self.cfg.measure_ceilings else None
+        if ceilings is not None:
             logger.info(
                 "machine: %.0f GFLOP/s fp32 GEMM, %.1f GB/s read", ceilings.gemm_gflops, ceilings.read_gbytes_per_s
             )

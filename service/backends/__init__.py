@@ -48,7 +48,7 @@ def load_backend(cfg: BackendConfig) -> Backend:
     if name == "native":
         from service.backends.native import NativeBackend
 
-        return NativeBackend(cfg)
+        return NativeBackend.load(cfg)
     if name == "trtllm":
         from service.backends.trtllm import TrtllmBackend
 

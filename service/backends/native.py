@@ -1,20 +1,52 @@
-"""The native backend: our own engine (EngineCore + AsyncEngine), on any CPU."""
+"""The native backend: our own engine on any CPU. It *is* the engine's runtime: EngineCore's step loop runs in a
+thread this backend owns, with asyncio streams per request (service/engine/ stays synchronous, so an engine
+core in another process could replace the thread behind the same Backend).
+
+- generate() is an async iterator of RequestOutput deltas; closing it early (client gone, deadline) aborts the
+  request in whatever state it is: queued, prefilling, decoding or finishing. abort() is idempotent.
+- Admission is synchronous (no await between the check and the reservation): invalid requests raise
+  InvalidRequest, a full waiting queue raises QueueFull, a draining or dead engine raises EngineUnavailable.
+- The engine thread never blocks on a consumer: outputs go to a per-request collector (streams.py).
+- An exception in a step fails every in-flight request cleanly, then the failure policy applies; a watchdog
+  marks the engine unhealthy while a single step runs longer than `stall_timeout_s` (runtime.py).
+"""
 
 from __future__ import annotations
 
+import itertools
+import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 
 from service.backends.base import BackendInfo
-from service.config import BackendConfig
-from service.engine.async_engine import AsyncEngine
+from service.backends.runtime import BackendRuntime
+from service.config import AdmissionConfig, BackendConfig
 from service.engine.core import EngineCore
+from service.engine.roofline import measure_ceilings
 from service.request import GenerateRequest, RequestOutput
-from service.telemetry import BackendStats, Observer
+from service.telemetry import BackendStats, Ceilings, Observer
+
+logger = logging.getLogger(__name__)
 
 
-class NativeBackend:
-    def __init__(self, cfg: BackendConfig) -> None:
-        self.core = EngineCore(
+class NativeBackend(BackendRuntime):
+    def __init__(self, core: EngineCore, admission: AdmissionConfig | None = None) -> None:
+        super().__init__(admission)
+        self.core = core
+        self.tokenizer = core.tokenizer
+        self.info = _info(core, self.admission.max_queue)
+        self._observer: Observer | None = None
+        self._new_observer: tuple[Observer | None] | None = None  # applied by the engine thread
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._adds: list[tuple[str, GenerateRequest, float]] = []
+        self._ids = itertools.count()  # engine-side request ids: unique, never taken from the client
+        self._aborts: set[str] = set()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def load(cls, cfg: BackendConfig) -> NativeBackend:
+        core = EngineCore(
             cfg.engine_dir,
             kv_cache_memory=cfg.native.kv_cache_memory,
             enable_prefix_caching=cfg.prefix_caching,
@@ -22,45 +54,143 @@ class NativeBackend:
             max_num_batched_tokens=cfg.max_num_tokens,
             long_prefill_token_threshold=cfg.native.long_prefill_token_threshold,
         )
-        self.engine = AsyncEngine(self.core, cfg.admission)
-        self.tokenizer = self.core.tokenizer
-        self.info = _info(self.core, cfg.admission.max_queue)
+        return cls(core, cfg.admission)
 
-    def start(self, on_health_change: Callable[[bool], None], on_fatal: Callable[[str], None]) -> None:
-        self.engine.bind(on_health_change, on_fatal)
-        self.engine.start()
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    def start(
+        self, on_health_change: Callable[[bool], None] | None = None, on_fatal: Callable[[str], None] | None = None
+    ) -> None:
+        self.bind(on_health_change, on_fatal)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        self.start_runtime()
 
-    def generate(self, gen: GenerateRequest, on_done: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(gen, on_done)
+    def worker_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
-    def abort(self, req_id: str) -> None:
-        self.engine.abort(req_id)
-
-    def abort_all(self) -> None:
-        self.engine.abort_all()
-
-    def check_capacity(self) -> None:
-        self.engine.check_capacity()
-
-    @property
-    def is_healthy(self) -> bool:
-        return self.engine.is_healthy
-
-    @property
-    def num_in_flight(self) -> int:
-        return self.engine.num_in_flight
+    def ceilings(self) -> Ceilings:
+        """This machine's GEMM rate and read bandwidth (the roofline the engine's steps are measured against)."""
+        return measure_ceilings(quick=True)
 
     def stats(self) -> BackendStats:
         return self.core.stats()
 
     def observe(self, observer: Observer | None) -> None:
-        self.engine.observe(observer)
+        """Attach the observer of steps, outputs and gauges (the service's metrics).
 
-    def stop_accepting(self) -> None:
-        self.engine.stop_accepting()
+        Applied by the engine thread before its next step, so a step that ran before this call (the warm-up's
+        last one, whose outputs may already have been delivered) is never reported to the new observer.
+        """
+        with self._lock:
+            self._new_observer = (observer,)
+        self._wake.set()
 
-    async def shutdown(self, timeout: float) -> None:
-        await self.engine.shutdown(timeout)
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop accepting, abort whatever is still in flight, stop the engine thread."""
+        self.begin_shutdown()
+        self._wake.set()
+        if self._thread is not None:
+            await self.join([self._thread], timeout)
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def generate(self, gen: GenerateRequest, on_done: Callable[[], None] | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request. Raises InvalidRequest, QueueFull or EngineUnavailable at once.
+
+        The engine keys the request on an id of its own (RequestOutput.request_id); gen.request_id is the
+        client's, never used to route outputs or aborts, so two clients may send the same one.
+        """
+        # NOTE: no await between these checks and the reservation below (RELIABILITY: atomic admission).
+        self.check_alive()
+        self.core.check(gen)
+        self.check_queue()
+        req_id = str(next(self._ids))
+        collector = self.streams.open(req_id, on_done)
+        with self._lock:
+            self._adds.append((req_id, gen, self.core.clock()))
+        self._wake.set()
+        return self.streams.stream(req_id, collector, self.abort)
+
+    def abort(self, req_id: str) -> None:
+        """Abort a request (by its engine id) in any state; safe to call repeatedly or for unknown ids."""
+        with self._lock:
+            self._aborts.add(req_id)
+        self._wake.set()
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (shutdown, the drain timeout)."""
+        with self._lock:
+            self._aborts.update(self.streams.ids())
+        self._wake.set()
+
+    # ---- engine thread ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        while True:
+            outputs = self._apply_commands()
+            if not core.has_unfinished_requests():
+                self.deliver(outputs)
+                if outputs:
+                    self._report_gauges()
+                if self.stopping:
+                    break
+                self._wake.wait(self.admission.idle_wait_s)
+                self._wake.clear()
+                continue
+            self.busy(True)
+            try:
+                outputs += core.step()
+                failed = False
+            except Exception as exc:  # every request in flight fails cleanly; then the failure policy applies
+                logger.exception("engine step failed; failing all in-flight requests")
+                outputs += core.fail_all("internal engine error")
+                failed = True
+                self._after_failure(f"{type(exc).__name__} in engine step")
+            finally:
+                self.busy(False)
+            self.deliver(outputs, core.last_newly_scheduled)
+            self._report(outputs, failed)
+
+    def _report(self, outputs: list[RequestOutput], failed: bool) -> None:
+        if self._observer is None:
+            return
+        if not failed and self.core.last_step is not None:
+            self._observer.on_step(self.core.last_step)
+        self._observer.on_outputs(outputs)
+        if failed:
+            self._report_gauges()
+
+    def _report_gauges(self) -> None:
+        if self._observer is not None:
+            self._observer.on_gauges(self.core.stats())
+
+    def _after_failure(self, reason: str) -> None:
+        """The failure policy (AdmissionConfig.on_failure), in the engine thread, after fail_all."""
+        if self.admission.on_failure == "recover":
+            self.core.reset()
+            logger.warning("engine state rebuilt after %s; serving again", reason)
+            return
+        self.mark_dead(reason)
+
+    def _apply_commands(self) -> list[RequestOutput]:
+        with self._lock:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, set()
+            if self._new_observer is not None:
+                (self._observer,), self._new_observer = self._new_observer, None
+        outputs: list[RequestOutput] = []
+        for req_id, gen, arrival in adds:
+            if req_id in aborts:  # cancelled before the engine saw it
+                aborts.discard(req_id)
+                outputs.append(RequestOutput(req_id, [], finished=True, finish_reason="abort"))
+                continue
+            try:
+                self.core.enqueue(gen, req_id, arrival_time=arrival)
+            except Exception:  # checked on admission, so a bug: fail this request alone, loudly
+                logger.exception("cannot queue request %s", req_id)
+                outputs.append(RequestOutput(req_id, [], finished=True, finish_reason="error", error="enqueue failed"))
+        if aborts:
+            outputs += self.core.abort(list(aborts))
+        return outputs
 
 
 def _info(core: EngineCore, max_queue: int) -> BackendInfo:

@@ -25,6 +25,7 @@ tritonclient is imported only in this module (and the front door), lazily from l
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import logging
@@ -43,11 +44,11 @@ from tritonclient.utils import InferenceServerException
 
 from build_engine.spec import load_engine_config
 from service.backends.base import BackendInfo
+from service.backends.runtime import BackendRuntime
 from service.config import BackendConfig, TritonConfig
 from service.errors import BackendLoadError, EngineUnavailable, InvalidRequest
 from service.limits import check_request
 from service.request import GenerateRequest, RequestOutput, RequestTiming, SamplingParams
-from service.runtime import BackendRuntime
 from service.telemetry import BackendStats, Observer
 from service.textstream import RequestText
 from service.tokenizer import Tokenizer
@@ -263,11 +264,9 @@ class TritonBackend(BackendRuntime):
         return BackendStats(self.num_in_flight - queued, queued, 0, 0)
 
     async def shutdown(self, timeout: float) -> None:
-        self._accepting = False
-        self.abort_all()
-        self._stopping = True
+        self.begin_shutdown()
         if self._health_thread is not None:
-            await self._loop.run_in_executor(None, self._health_thread.join, timeout)
+            await self.join([self._health_thread], timeout)
         self._closer.shutdown(wait=True)
         self._prompt_pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
@@ -276,7 +275,7 @@ class TritonBackend(BackendRuntime):
             client.close()
 
     def _watch_remote(self) -> None:
-        while not self._stopping:
+        while not self.stopping:
             ready, problem = self._probe()
             if ready != self._remote_ready:
                 self._remote_ready, self._remote_problem = ready, problem
@@ -328,7 +327,7 @@ class TritonBackend(BackendRuntime):
     async def _stream(self, live: _Live, collector) -> AsyncIterator[RequestOutput]:
         try:
             if self.model == "ensemble":
-                text = await self._loop.run_in_executor(self._prompt_pool, self._prompt_text, live.gen)
+                text = await asyncio.get_running_loop().run_in_executor(self._prompt_pool, self._prompt_text, live.gen)
                 inputs = self._ensemble_inputs(live.gen, text)
             else:
                 inputs = self._token_inputs(live.gen)
@@ -435,7 +434,7 @@ class TritonBackend(BackendRuntime):
                 client.close()
                 return
             with self._lock:
-                if len(self._idle) < MAX_IDLE_CLIENTS and not self._stopping:
+                if len(self._idle) < MAX_IDLE_CLIENTS and not self.stopping:
                     self._idle.append(client)
                     return
             client.close()

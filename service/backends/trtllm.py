@@ -34,11 +34,11 @@ from typing import Any
 from build_engine import spec
 from build_engine.spec import load_engine_config
 from service.backends.base import BackendInfo
+from service.backends.runtime import BackendRuntime
 from service.config import BackendConfig
 from service.errors import BackendLoadError, EngineUnavailable, InvalidRequest
 from service.limits import check_request
 from service.request import GenerateRequest, RequestOutput, RequestTiming, SamplingParams, TokenLogprob
-from service.runtime import BackendRuntime
 from service.telemetry import BackendStats, Observer
 from service.textstream import RequestText
 from service.tokenizer import Tokenizer
@@ -251,11 +251,8 @@ class TrtllmBackend(BackendRuntime):
         return self._stats
 
     async def shutdown(self, timeout: float) -> None:
-        self._accepting = False
-        self.abort_all()
-        self._stopping = True
-        for t in self._threads:
-            await self._loop.run_in_executor(None, t.join, timeout)
+        self.begin_shutdown()
+        await self.join(self._threads, timeout)
         try:
             self.executor.shutdown()
         except Exception:  # already dead: nothing left to release
@@ -321,7 +318,7 @@ class TrtllmBackend(BackendRuntime):
 
     # ---- response thread ---------------------------------------------------------------------------------------
     def _respond(self) -> None:
-        while not self._stopping:
+        while not self.stopping:
             try:
                 responses = self.executor.await_responses(timeout=RESPONSE_WAIT)
             except Exception as exc:  # the executor died: every stream fails, then the failure policy
@@ -359,7 +356,7 @@ class TrtllmBackend(BackendRuntime):
             except BackendLoadError:
                 logger.exception("the executor cannot be recreated")
             else:
-                self._accepting = True
+                self.resume_accepting()
                 logger.warning("a new executor serves after %s", reason)
                 return True
         self.mark_dead(reason)
@@ -446,7 +443,7 @@ class TrtllmBackend(BackendRuntime):
 
     # ---- stats thread --------------------------------------------------------------------------------------------
     def _poll_stats(self) -> None:
-        while not self._stopping and self._dead is None:
+        while not self.stopping and self.is_alive:
             time.sleep(STATS_PERIOD_S)
             self._poll_once()
 

@@ -6,11 +6,11 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 
 from service.engine.quant.kernels import default_blas_threads
+from service.telemetry import Ceilings
 
 
 def median_time(fn: Callable[[], object], runs: int, warmup: int = 1) -> float:
@@ -46,12 +46,6 @@ def read_bandwidth_gbs(runs: int = 5, size_mb: int = 576) -> dict[str, float]:
             "gemv_576": narrow.nbytes / median_time(lambda: narrow @ np.ones(576, np.float32), runs) / 1e9,
         }
     return {"sum_1_thread": x.nbytes / median_time(x.sum, runs) / 1e9, "sum_2_threads": x.nbytes / two / 1e9, **gemv}
-
-
-@dataclass(frozen=True, slots=True)
-class Ceilings:
-    gemm_gflops: float  # fp32 GEMM rate
-    read_gbytes_per_s: float  # best read bandwidth measured
 
 
 def measure_ceilings(quick: bool = True) -> Ceilings:

@@ -21,10 +21,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from service.backends.streams import RequestStreams
 from service.config import AdmissionConfig
 from service.errors import EngineUnavailable, QueueFull
 from service.request import RequestOutput
-from service.streams import RequestStreams
+from service.telemetry import Ceilings
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,39 @@ class BackendRuntime:
         """New requests get EngineUnavailable; requests in flight continue (graceful drain)."""
         self._accepting = False
         self._why_not = why
+
+    def resume_accepting(self) -> None:
+        """Take new requests again (after a recovery)."""
+        self._accepting = True
+
+    @property
+    def is_alive(self) -> bool:
+        """Not marked dead by the failure policy."""
+        return self._dead is None
+
+    @property
+    def stopping(self) -> bool:
+        """Shutdown has begun: the backend's threads end."""
+        return self._stopping
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests, abort every one in flight, and tell the backend's threads to end."""
+        self.stop_accepting("shutting down")
+        self.abort_all()
+        self._stopping = True
+
+    async def join(self, threads: Iterable[threading.Thread], timeout: float) -> None:
+        """Wait (off the event loop) for the backend's threads to end, each up to `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        for thread in threads:
+            await loop.run_in_executor(None, thread.join, timeout)
+
+    def abort_all(self) -> None:
+        """Abort every request in flight; backends override it."""
+
+    def ceilings(self) -> Ceilings | None:
+        """This machine's ceilings for the step metrics (the native engine measures them; others run elsewhere)."""
+        return None
 
     # ---- admission --------------------------------------------------------------------------------------
     def check_capacity(self) -> None:

@@ -1,4 +1,5 @@
-"""AsyncEngine: streaming, cancellation storm, bounded queue, slow consumers, engine failure, watchdog."""
+"""The native backend (the engine's runtime): streaming, cancellation storm, bounded queue, slow consumers, engine
+failure, watchdog."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from service.backends.native import NativeBackend
 from service.config import AdmissionConfig
-from service.engine.async_engine import AsyncEngine
 from service.engine.core import EngineCore
 from service.errors import EngineError, EngineUnavailable, InvalidRequest, QueueFull
 from service.request import GenerateRequest, SamplingParams
@@ -31,13 +32,13 @@ def _gen(rid: str, max_tokens: int = 16, prompt: list[int] | None = None) -> Gen
     )
 
 
-async def _started(engine_dir: Path, blocks: int = 256, **cfg) -> AsyncEngine:
-    engine = AsyncEngine(EngineCore(engine_dir, num_kv_blocks=blocks), AdmissionConfig(**cfg))
+async def _started(engine_dir: Path, blocks: int = 256, **cfg) -> NativeBackend:
+    engine = NativeBackend(EngineCore(engine_dir, num_kv_blocks=blocks), AdmissionConfig(**cfg))
     engine.start()
     return engine
 
 
-async def _collect(engine: AsyncEngine, gen: GenerateRequest) -> list:
+async def _collect(engine: NativeBackend, gen: GenerateRequest) -> list:
     return await _drain(engine.generate(gen))
 
 
@@ -99,7 +100,7 @@ def test_cancellation_storm_frees_everything(engine_dir: Path) -> None:
 def test_queue_bound_rejects_the_overflow(engine_dir: Path) -> None:
     async def main() -> None:
         core = EngineCore(engine_dir, num_kv_blocks=256, max_num_seqs=1)
-        engine = AsyncEngine(core, AdmissionConfig(max_queue=8))
+        engine = NativeBackend(core, AdmissionConfig(max_queue=8))
         engine.start()
         running = engine.generate(_gen("running", 200))
         await running.__anext__()  # it is running (it produced a token): it is not queued
@@ -157,7 +158,7 @@ def test_step_failure_fails_requests_and_marks_engine_dead(engine_dir: Path) -> 
     async def main() -> None:
         health: list[bool] = []
         core = EngineCore(engine_dir, num_kv_blocks=64)
-        engine = AsyncEngine(core, AdmissionConfig())
+        engine = NativeBackend(core, AdmissionConfig())
         engine.bind(on_health_change=health.append)
         engine.start()
         await _collect(engine, _gen("ok", 3))
@@ -183,7 +184,7 @@ def test_watchdog_reports_a_stalled_step(engine_dir: Path) -> None:
         health: list[bool] = []
         fatal: list[str] = []
         core = EngineCore(engine_dir, num_kv_blocks=64)
-        engine = AsyncEngine(core, AdmissionConfig(stall_timeout_s=0.2, on_failure=on_failure))
+        engine = NativeBackend(core, AdmissionConfig(stall_timeout_s=0.2, on_failure=on_failure))
         engine.bind(health.append, fatal.append)
         engine.start()
         stalling = core.runner = FaultyRunner(core.runner)
