@@ -7,6 +7,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from service.errors import InvalidRequest
 
@@ -186,6 +187,13 @@ class RequestOutput:
     error: str | None = None  # with finish_reason "error"
 
 
+class TextStream(Protocol):
+    """A request's streaming text (service/textstream.py's RequestText): the scheduler pushes each new token."""
+
+    def push(self, token: int) -> str | None:
+        """Add a token's text; return the stop string it completed, if any."""
+
+
 class Request:
     """Mutable state of one request inside the engine (owned by the scheduler)."""
 
@@ -209,6 +217,7 @@ class Request:
         "sampling",
         "status",
         "stop_reason",
+        "text",
         "token_times",
     )
 
@@ -241,7 +250,7 @@ class Request:
         self.finish_time: float | None = None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.detokenizer = None  # set by the engine's output processor
+        self.text: TextStream | None = None  # the request's text and stop strings (set by the output processor)
 
     @property
     def num_tokens(self) -> int:

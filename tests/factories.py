@@ -69,9 +69,9 @@ def make_scheduler(
 def run_step(sched: Scheduler, token: int = 7):
     """One scheduler step with a fake model that always samples `token`; invariants checked after it."""
     out = sched.schedule()
-    sampled = {s.req_id: token for s in out.scheduled if s.sample}
+    sampled = {s.req_id: [token] for s in out.scheduled if s.sample}
     updated = sched.update_from_output(out, sampled)
-    for req in updated:
+    for req, _ in updated:
         if req.is_finished:
             sched.release(req)
     sched.check_invariants()

@@ -21,6 +21,7 @@ import pytest
 from build_engine.builder import build
 from build_engine.trtllm_builder import TrtllmOptions
 from protos.llm.v1 import llm_pb2
+from service.backends.remote import RemoteRequest
 from service.backends.trtllm import TrtllmBackend, cache_salt_id, sampling_config
 from service.config import AdmissionConfig, BackendConfig, TrtllmConfig
 from service.request import GenerateRequest, SamplingParams
@@ -150,7 +151,11 @@ def test_request_mapping(double, engine: Path) -> None:
     try:
         greedy = backend._request(GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0)))
         assert greedy.input_token_ids == [5, 6, 7] and greedy.max_tokens == 4 and greedy.streaming
-        assert greedy.sampling_config.top_k == 1 and greedy.end_id == backend.end_id and greedy.pad_id == backend.pad_id
+        assert (
+            greedy.sampling_config.top_k == 1
+            and greedy.end_id == backend.end_ids.end_id
+            and greedy.pad_id == backend.end_ids.pad_id
+        )
         assert greedy.output_config.exclude_input_from_output and greedy.output_config.return_perf_metrics
         assert greedy.stop_words is None
         stops = SamplingParams(max_tokens=4, stop_token_ids=(9, 11))
@@ -212,13 +217,13 @@ def test_perf_metrics_become_timing() -> None:
     timing = SimpleNamespace(arrival_time=td(100.0), first_scheduled_time=td(100.010), first_token_time=td(100.050),
                              last_token_time=td(100.250))  # fmt: skip
     result = SimpleNamespace(request_perf_metrics=SimpleNamespace(timing_metrics=timing))
-    live = SimpleNamespace(token_times=[100.06, 100.11, 100.16, 100.21, 100.26], arrival=99.9)
-    t = TrtllmBackend._timing(None, result, live, now=100.3)
+    live = RemoteRequest(None, None, 99.9, token_times=[100.06, 100.11, 100.16, 100.21, 100.26])
+    t = live.timing(TrtllmBackend._stamps(result), now=100.3, same_clock=True)
     assert t.source == "engine"
     assert t.queue_ms == pytest.approx(10) and t.prefill_ms == pytest.approx(40) and t.ttft_ms == pytest.approx(50)
     assert t.decode_ms == pytest.approx(200) and t.tpot_ms == pytest.approx(50) and t.e2e_ms == pytest.approx(250)
     assert t.itl_ms == pytest.approx((50, 50, 50, 50))
-    edge = TrtllmBackend._timing(None, SimpleNamespace(request_perf_metrics=None), live, now=100.3)
+    edge = live.timing(TrtllmBackend._stamps(SimpleNamespace(request_perf_metrics=None)), now=100.3, same_clock=True)
     assert edge.source == "edge" and edge.ttft_ms == pytest.approx(160) and edge.e2e_ms == pytest.approx(400)
 
 

@@ -29,12 +29,11 @@ import asyncio
 import functools
 import itertools
 import logging
-import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +43,13 @@ from tritonclient.utils import InferenceServerException
 
 from build_engine.spec import load_engine_config
 from service.backends.base import BackendInfo
+from service.backends.remote import EndIds, RemoteRequest, sampling_values
 from service.backends.runtime import BackendRuntime
 from service.config import BackendConfig, TritonConfig
 from service.errors import BackendLoadError, EngineUnavailable, InvalidRequest
 from service.limits import check_request
-from service.request import GenerateRequest, RequestOutput, RequestTiming, SamplingParams
+from service.request import GenerateRequest, RequestOutput, SamplingParams
+from service.stops import Stop
 from service.telemetry import BackendStats, Observer
 from service.textstream import RequestText
 from service.tokenizer import Tokenizer
@@ -104,38 +105,39 @@ def _tensor(name: str, value: Any, datatype: str, dtype: Any) -> InferInput:
     return t
 
 
+# TensorRT-LLM's sampling field -> (the input of each Triton model, datatype, numpy type)
+_SAMPLING_INPUTS = {
+    "seed": ({"tensorrt_llm": "seed", "ensemble": "seed"}, "UINT64", np.uint64),
+    "top_k": ({"tensorrt_llm": "runtime_top_k", "ensemble": "top_k"}, "INT32", np.int32),
+    "top_p": ({"tensorrt_llm": "runtime_top_p", "ensemble": "top_p"}, "FP32", np.float32),
+    "temperature": ({"tensorrt_llm": "temperature", "ensemble": "temperature"}, "FP32", np.float32),
+    "min_tokens": ({"tensorrt_llm": "min_tokens", "ensemble": "min_tokens"}, "INT32", np.int32),
+    "repetition_penalty": (
+        {"tensorrt_llm": "repetition_penalty", "ensemble": "repetition_penalty"},
+        "FP32",
+        np.float32,
+    ),
+    "presence_penalty": ({"tensorrt_llm": "presence_penalty", "ensemble": "presence_penalty"}, "FP32", np.float32),
+    "frequency_penalty": ({"tensorrt_llm": "frequency_penalty", "ensemble": "frequency_penalty"}, "FP32", np.float32),
+}
+
+
 def sampling_tensors(p: SamplingParams, model: str) -> list[InferInput]:
-    """Sampling and stopping as TensorRT-LLM reads them (tensor names of the given model)."""
-    k_name, p_name = ("runtime_top_k", "runtime_top_p") if model == "tensorrt_llm" else ("top_k", "top_p")
-    out = [_tensor("seed", p.seed if p.seed is not None else secrets.randbits(63), "UINT64", np.uint64)]
-    if p.greedy:
-        out.append(_tensor(k_name, 1, "INT32", np.int32))
-    else:
-        out.append(_tensor("temperature", p.temperature, "FP32", np.float32))
-        if p.top_k:
-            out.append(_tensor(k_name, p.top_k, "INT32", np.int32))
-        if p.top_p < 1.0 or not p.top_k:
-            out.append(_tensor(p_name, p.top_p, "FP32", np.float32))
-    if p.min_tokens:
-        out.append(_tensor("min_tokens", p.min_tokens, "INT32", np.int32))
-    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-        value = getattr(p, name)
-        if value != (1.0 if name == "repetition_penalty" else 0.0):
-            out.append(_tensor(name, value, "FP32", np.float32))
+    """Sampling and stopping as TensorRT-LLM reads them (remote.sampling_values), as the given model's inputs
+    (min_p has none: refused before)."""
+    out = []
+    for name, value in sampling_values(p).items():
+        inputs, datatype, dtype = _SAMPLING_INPUTS[name]
+        out.append(_tensor(inputs[model], value, datatype, dtype))
     return out
 
 
 @dataclass
-class _Live:
+class _Live(RemoteRequest):
     """One request on its own Triton stream (touched by its stream's callback thread, and once by abort)."""
 
-    req_id: str
-    gen: GenerateRequest
-    text: RequestText
-    arrival: float  # time.monotonic() when sent
+    req_id: str = ""
     client: InferenceServerClient | None = None
-    token_ids: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
     num_tokens: int = 0  # ensemble: counted from num_output_tokens
     done: bool = False  # the final output went out (or the request was aborted): ignore anything later
 
@@ -150,10 +152,7 @@ class TritonBackend(BackendRuntime):
         engine_dir = Path(cfg.engine_dir)
         self.config = load_engine_config(engine_dir)  # a native or TensorRT-LLM engine directory
         self.tokenizer = Tokenizer.from_engine_dir(engine_dir)
-        ids = self.config.tokenizer
-        self.end_id = ids.eos_token_ids[0]
-        self.pad_id = ids.pad_token_id if ids.pad_token_id is not None else self.end_id
-        self.extra_eos = tuple(ids.eos_token_ids[1:])
+        self.end_ids = EndIds.of(self.config)
         self._health_client = InferenceServerClient(self.url, channel_args=channel_args(t))
         remote = self._wait_ready(t.ready_timeout_s)
         self.info = self._info(remote)
@@ -294,7 +293,8 @@ class TritonBackend(BackendRuntime):
         self._check_supported(gen)
         self.check_queue()
         req_id = f"t{next(self._ids)}"
-        live = _Live(req_id, gen, RequestText(self.tokenizer, gen.prompt_token_ids, gen.sampling), time.monotonic())
+        text = RequestText(self.tokenizer, gen.prompt_token_ids, gen.sampling)
+        live = _Live(gen, text, time.monotonic(), req_id=req_id)
         with self._lock:
             self._live[req_id] = live
         collector = self.streams.open(req_id, on_done)
@@ -356,13 +356,13 @@ class TritonBackend(BackendRuntime):
             _tensor("input_lengths", len(ids), "INT32", np.int32),
             _tensor("request_output_len", p.max_tokens, "INT32", np.int32),
             _tensor("streaming", True, "BOOL", np.bool_),
-            _tensor("end_id", -1 if p.ignore_eos else self.end_id, "INT32", np.int32),  # -1: never stop on it
-            _tensor("pad_id", self.pad_id, "INT32", np.int32),
+            _tensor("end_id", self.end_ids.end_id_for(p), "INT32", np.int32),
+            _tensor("pad_id", self.end_ids.pad_id, "INT32", np.int32),
             _tensor("exclude_input_in_output", True, "BOOL", np.bool_),
             _tensor("return_perf_metrics", True, "BOOL", np.bool_),
             *sampling_tensors(p, "tensorrt_llm"),
         ]
-        words = [*p.stop_token_ids, *(() if p.ignore_eos else self.extra_eos)]
+        words = self.end_ids.stop_words(p)
         if words:  # single-token stop words: ids, then cumulative end offsets
             inputs.append(_tensor("stop_words_list", [words, list(range(1, len(words) + 1))], "INT32", np.int32))
         return inputs
@@ -476,30 +476,14 @@ class TritonBackend(BackendRuntime):
     def _output(self, live: _Live, result: Any, now: float) -> RequestOutput | None:
         params = result.get_response().parameters
         final = FINAL in params and params[FINAL].bool_param
-        ended = False  # we end it here: a stop token id, an end token, a stop string (the native engine's rules)
-        stop: str | int | None = None
+        stop: Stop | None = None  # ours: the stop rules of every backend (service/stops.py)
         accepted: list[int] = []
         if self.model == "tensorrt_llm":
-            p = live.gen.sampling
             raw, length = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
             new = [] if raw is None else raw.reshape(-1).tolist()
             if length is not None and new:
                 new = new[: int(length.reshape(-1)[0])]
-            for token in new:
-                accepted.append(token)
-                live.token_ids.append(token)
-                live.token_times.append(now)
-                found = live.text.push(token)
-                if token in p.stop_token_ids:
-                    stop, ended = token, True
-                elif not p.ignore_eos and token in self.config.tokenizer.eos_token_ids:
-                    ended = True
-                elif len(live.token_ids) >= p.max_tokens:
-                    ended = True
-                elif found is not None:
-                    stop, ended = found, True
-                if ended:
-                    break
+            accepted, stop = live.push(new, now, self.end_ids.eos)
             live.num_tokens = len(live.token_ids)
         else:
             raw, count = result.as_numpy("text_output"), result.as_numpy("num_output_tokens")
@@ -507,8 +491,9 @@ class TritonBackend(BackendRuntime):
             n = int(count.reshape(-1)[0]) if count is not None else (1 if piece else 0)
             live.num_tokens += n
             live.token_times.extend([now] * n)  # one stamp per token, as TPOT counts tokens
-            stop = live.text.push_text(piece)
-            ended = stop is not None
+            found = live.text.push_text(piece)
+            stop = Stop("stop", found) if found is not None else None
+        ended = stop is not None
         finished = final or ended
         if finished:
             live.text.finish()  # release what was held back (as the native engine, a stop in the tail is not one)
@@ -524,28 +509,21 @@ class TritonBackend(BackendRuntime):
         )
         if finished:
             out.finished = True
-            out.finish_reason, out.stop_reason = self._finish_reason(live, stop)
-            out.timing = self._timing(live, result, now)
+            stop = stop or self._finish_reason(live)
+            out.finish_reason, out.stop_reason = stop.finish_reason, stop.stop_reason
+            out.timing = live.timing(self._stamps(result), now, same_clock=False)
         return out
 
-    def _finish_reason(self, live: _Live, stop: str | int | None) -> tuple[str, str | int | None]:
-        p = live.gen.sampling
-        if stop is not None:
-            return "stop", stop
-        last = live.token_ids[-1] if live.token_ids else None
-        if last is not None and not p.ignore_eos and last in self.config.tokenizer.eos_token_ids:
-            return "stop", None
-        if live.num_tokens >= p.max_tokens:
-            return "length", None
-        return "stop", None  # the server ended before max_tokens: at its end token (which it does not return)
+    def _finish_reason(self, live: _Live) -> Stop:
+        """Why the server ended a request our stop rules did not end (it does not return its end token)."""
+        if live.num_tokens >= live.gen.sampling.max_tokens:
+            return Stop("length")
+        return Stop("stop")  # the server ended before max_tokens: at its end token
 
-    def _timing(self, live: _Live, result: Any, now: float) -> RequestTiming:
+    @staticmethod
+    def _stamps(result: Any) -> tuple[float, ...] | None:
+        """The server's *_time_ns outputs in seconds of its steady clock, or None when it returns none."""
         stamps = [result.as_numpy(name) for name in PERF]
-        if all(s is not None for s in stamps):
-            arrival, scheduled, first, last = (int(s.reshape(-1)[0]) / 1e9 for s in stamps)
-            if arrival > 0:  # the server's steady clock: only differences mean anything here
-                return RequestTiming.from_times(
-                    arrival, scheduled or None, live.token_times, last or arrival,
-                    first_token=first or None, last_token=last or None,
-                )  # fmt: skip
-        return RequestTiming.from_times(live.arrival, None, live.token_times, now, source="edge")
+        if any(s is None for s in stamps):
+            return None
+        return tuple(int(s.reshape(-1)[0]) / 1e9 for s in stamps)

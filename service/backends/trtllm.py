@@ -22,11 +22,9 @@ import datetime
 import hashlib
 import importlib
 import logging
-import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -34,11 +32,13 @@ from typing import Any
 from build_engine import spec
 from build_engine.spec import load_engine_config
 from service.backends.base import BackendInfo
+from service.backends.remote import EndIds, RemoteRequest, sampling_values
 from service.backends.runtime import BackendRuntime
 from service.config import BackendConfig
 from service.errors import BackendLoadError, EngineUnavailable, InvalidRequest
 from service.limits import check_request
-from service.request import GenerateRequest, RequestOutput, RequestTiming, SamplingParams, TokenLogprob
+from service.request import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
+from service.stops import Stop
 from service.telemetry import BackendStats, Observer
 from service.textstream import RequestText
 from service.tokenizer import Tokenizer
@@ -70,32 +70,9 @@ def import_executor() -> ModuleType:
 
 
 def sampling_config(trt: ModuleType, p: SamplingParams) -> Any:
-    """Our sampling parameters as TensorRT-LLM's SamplingConfig.
-
-    TensorRT-LLM samples greedily whenever top_k is unset/0/1 and top_p is unset/0, whatever the temperature
-    (regularizeTopKTopP), so temperature 0 sends top_k=1 and temperature > 0 without top-k/top-p sends
-    top_p=1.0; with no seed its runtime seed is 0 for every request, so each request without one draws its own.
-    """
-    kw: dict[str, Any] = {"seed": p.seed if p.seed is not None else secrets.randbits(63)}
-    if p.greedy:
-        kw["top_k"] = 1
-    else:
-        kw["temperature"] = p.temperature
-        if p.top_k:
-            kw["top_k"] = p.top_k
-        if p.top_p < 1.0 or not p.top_k:
-            kw["top_p"] = p.top_p
-        if p.min_p:
-            kw["min_p"] = p.min_p
-    if p.min_tokens:
-        kw["min_tokens"] = p.min_tokens
-    if p.repetition_penalty != 1.0:
-        kw["repetition_penalty"] = p.repetition_penalty
-    if p.presence_penalty:
-        kw["presence_penalty"] = p.presence_penalty
-    if p.frequency_penalty:
-        kw["frequency_penalty"] = p.frequency_penalty
-    return trt.SamplingConfig(beam_width=1, **kw)
+    """Our sampling parameters as TensorRT-LLM's SamplingConfig (remote.sampling_values: its greedy and seed
+    traps handled)."""
+    return trt.SamplingConfig(beam_width=1, **sampling_values(p))
 
 
 def cache_salt_id(cache_salt: str) -> int | None:
@@ -126,17 +103,6 @@ def _seconds(value: Any) -> float | None:
     return seconds if seconds else None
 
 
-@dataclass
-class Live:
-    """One request in the executor."""
-
-    gen: GenerateRequest
-    text: RequestText
-    arrival: float  # our clock (monotonic, the steady clock TensorRT-LLM stamps with)
-    token_ids: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-
-
 class TrtllmBackend(BackendRuntime):
     def __init__(self, cfg: BackendConfig) -> None:
         super().__init__(cfg.admission)
@@ -148,15 +114,12 @@ class TrtllmBackend(BackendRuntime):
             raise BackendLoadError(f"{self.engine_dir} is not a TensorRT-LLM engine built by python -m build_engine")
         self.settings = spec.read_manifest(self.engine_dir).get("settings", {})
         self.tokenizer = Tokenizer.from_engine_dir(self.engine_dir)
-        ids = self.config.tokenizer
-        self.end_id = ids.eos_token_ids[0]
-        self.pad_id = ids.pad_token_id if ids.pad_token_id is not None else self.end_id
-        self.extra_eos = tuple(ids.eos_token_ids[1:])
+        self.end_ids = EndIds.of(self.config)
         self._base_info = self._info()
         self._stats = BackendStats(0, 0, 0, 0)
         self._observer: Observer | None = None
         self._lock = threading.Lock()  # the executor id -> Live map, shared with the response thread
-        self._live: dict[int, Live] = {}
+        self._live: dict[int, RemoteRequest] = {}
         self._threads: list[threading.Thread] = []
         self._generation = 0  # executors created so far: stream ids are "<generation>:<executor id>"
         self.executor = self._new_executor()
@@ -273,9 +236,8 @@ class TrtllmBackend(BackendRuntime):
             except Exception as exc:
                 logger.exception("enqueue_request failed")
                 raise EngineUnavailable(f"the executor did not accept the request ({type(exc).__name__})") from None
-            self._live[rid] = Live(
-                gen, RequestText(self.tokenizer, gen.prompt_token_ids, gen.sampling), time.monotonic()
-            )
+            text = RequestText(self.tokenizer, gen.prompt_token_ids, gen.sampling)
+            self._live[rid] = RemoteRequest(gen, text, time.monotonic())
         req_id = f"{self._generation}:{rid}"
         collector = self.streams.open(req_id, on_done)
         self.busy(True)  # progress is expected from here: the watchdog times the gap between responses
@@ -283,7 +245,7 @@ class TrtllmBackend(BackendRuntime):
 
     def _request(self, gen: GenerateRequest) -> Any:
         trt, p = self.trt, gen.sampling
-        stop_words = [[t] for t in (*p.stop_token_ids, *(() if p.ignore_eos else self.extra_eos))]
+        stop_words = [[t] for t in self.end_ids.stop_words(p)]
         return trt.Request(
             input_token_ids=list(gen.prompt_token_ids),
             max_tokens=p.max_tokens,
@@ -292,8 +254,8 @@ class TrtllmBackend(BackendRuntime):
             output_config=trt.OutputConfig(
                 return_log_probs=p.logprobs is not None, exclude_input_from_output=True, return_perf_metrics=True
             ),
-            end_id=-1 if p.ignore_eos else self.end_id,  # -1: TensorRT-LLM never stops on an end id
-            pad_id=self.pad_id,
+            end_id=self.end_ids.end_id_for(p),
+            pad_id=self.end_ids.pad_id,
             stop_words=stop_words or None,
             cache_salt_id=cache_salt_id(gen.cache_salt),
         )
@@ -374,17 +336,14 @@ class TrtllmBackend(BackendRuntime):
         result = response.result
         now = time.monotonic()
         new = list(result.output_token_ids[0]) if result.output_token_ids else []
-        accepted, stop = self._push(live, new, now)
+        accepted, stop = live.push(new, now, self.end_ids.eos)
         finished = bool(result.is_final) or stop is not None
-        reason = stop_reason = None
-        if stop is not None:
-            reason, stop_reason = "stop", stop
-            self.executor.cancel_request(rid)
-        elif finished:
-            reason, stop_reason = self._finish_reason(result, live)
-            tail = live.text.finish()
-            if tail is not None:  # a stop string completed by the final flush
-                reason, stop_reason = "stop", tail
+        if stop is None and finished:  # the executor ended it where our rules say nothing (e.g. cancelled)
+            stop = self._finish_reason(result)
+        if finished:
+            live.text.finish()  # what was held back for a possible stop string goes out
+            if not result.is_final:  # we ended it first (a stop string): the executor stops too
+                self.executor.cancel_request(rid)
         out = RequestOutput(
             request_id=self._stream_id(rid),
             new_token_ids=accepted,
@@ -394,32 +353,29 @@ class TrtllmBackend(BackendRuntime):
             num_output_tokens=len(live.token_ids),
         )
         if finished:
-            out.finished, out.finish_reason, out.stop_reason = True, reason, stop_reason
-            out.timing = self._timing(result, live, now)
+            out.finished, out.finish_reason, out.stop_reason = True, stop.finish_reason, stop.stop_reason
+            out.timing = live.timing(self._stamps(result), now, same_clock=True)
             self._live.pop(rid, None)
         return out
 
     def _stream_id(self, rid: int) -> str:
         return f"{self._generation}:{rid}"
 
-    def _push(self, live: Live, new: list[int], now: float) -> tuple[list[int], str | None]:
-        """Add tokens to the text; stop at the first one that completes a stop string."""
-        accepted = []
-        for token in new:
-            live.token_ids.append(token)
-            live.token_times.append(now)
-            accepted.append(token)
-            stop = live.text.push(token)
-            if stop is not None:
-                return accepted, stop
-        return accepted, None
-
-    def _finish_reason(self, result: Any, live: Live) -> tuple[str, int | None]:
+    @staticmethod
+    def _finish_reason(result: Any) -> Stop:
         name = result.finish_reasons[0].name if result.finish_reasons else "LENGTH"
-        reason = FINISH.get(name, "length")
-        last = live.token_ids[-1] if live.token_ids else None
-        stop_token = last if name == "STOP_WORDS" and last in live.gen.sampling.stop_token_ids else None
-        return reason, stop_token
+        return Stop(FINISH.get(name, "length"))
+
+    @staticmethod
+    def _stamps(result: Any) -> tuple[float | None, ...] | None:
+        """The executor's (arrival, first scheduled, first token, last token) stamps, in seconds of the steady
+        clock, or None when it reports none."""
+        t = getattr(getattr(result, "request_perf_metrics", None), "timing_metrics", None)
+        if t is None:
+            return None
+        return tuple(
+            _seconds(x) for x in (t.arrival_time, t.first_scheduled_time, t.first_token_time, t.last_token_time)
+        )
 
     @staticmethod
     def _logprobs(result: Any, tokens: list[int]) -> list[TokenLogprob] | None:
@@ -429,17 +385,6 @@ class TrtllmBackend(BackendRuntime):
         return [
             TokenLogprob(t, float(v)) for t, v in zip(tokens, values[-len(tokens) :] if tokens else [], strict=False)
         ]
-
-    def _timing(self, result: Any, live: Live, now: float) -> RequestTiming:
-        perf = getattr(result, "request_perf_metrics", None)
-        t = getattr(perf, "timing_metrics", None)
-        if t is not None and _seconds(t.arrival_time) is not None:  # the executor's own stamps
-            last = _seconds(t.last_token_time)
-            return RequestTiming.from_times(
-                _seconds(t.arrival_time), _seconds(t.first_scheduled_time), live.token_times,
-                last or now, first_token=_seconds(t.first_token_time), last_token=last,
-            )  # fmt: skip
-        return RequestTiming.from_times(live.arrival, None, live.token_times, now, source="edge")
 
     # ---- stats thread --------------------------------------------------------------------------------------------
     def _poll_stats(self) -> None:

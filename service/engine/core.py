@@ -141,15 +141,12 @@ class EngineCore:
         forward_ms = (time.perf_counter() - forward_start) * 1e3
         reqs = [self.scheduler.requests[s.req_id] for s in sched.scheduled if s.sample]
         sampled = self.sampler.sample(logits, reqs)
-        tokens = {r.request_id: t for r, t in zip(reqs, sampled.token_ids, strict=True)}
+        tokens = {r.request_id: [t] for r, t in zip(reqs, sampled.token_ids, strict=True)}
         logprobs = {r.request_id: lp for r, lp in zip(reqs, sampled.logprobs, strict=True)}
         outputs = []
-        for req in self.scheduler.update_from_output(sched, tokens):
-            stop = self.outputs.push(req)
-            if stop is not None and not req.is_finished:
-                req.stop_reason = stop
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-            outputs.append(self.outputs.output(req, logprobs[req.request_id]))
+        for req, num_new in self.scheduler.update_from_output(sched, tokens):  # every stop decided there
+            logprob = logprobs[req.request_id]
+            outputs.append(self.outputs.output(req, num_new, [logprob] if logprob is not None else None))
             if req.is_finished:
                 self.scheduler.release(req)
         self._record(sched, start, forward_ms, len(reqs), self.scheduler.num_preemptions - preempted_before)

@@ -1,6 +1,6 @@
-"""Engine-side output processing: each request's text (service/textstream.py: incremental detokenization and
-stop strings) and its RequestOutput deltas. A stop string ends the request at once, freeing its blocks in the
-same step."""
+"""Engine-side output processing: each request's RequestOutput deltas. Every request gets its text state
+(service/textstream.py: incremental detokenization and stop strings) here, and the scheduler pushes each new
+token into it when it decides the stop rules; this module only takes the text and tokens that can go out."""
 
 from __future__ import annotations
 
@@ -15,35 +15,25 @@ class OutputProcessor:
         self.texts: dict[str, RequestText] = {}
 
     def add(self, req: Request) -> None:
-        self.texts[req.request_id] = RequestText(self.tokenizer, req.prompt_token_ids, req.sampling)
+        req.text = self.texts[req.request_id] = RequestText(self.tokenizer, req.prompt_token_ids, req.sampling)
 
-    def push(self, req: Request) -> str | None:
-        """Detokenize the request's newest token; return a stop string if the text now contains one."""
-        return self.texts[req.request_id].push(req.output_token_ids[-1])
-
-    def output(self, req: Request, logprob: TokenLogprob | None) -> RequestOutput:
-        """The delta for a request that just got a token (the final one if the request has finished)."""
+    def output(self, req: Request, num_new: int, logprobs: list[TokenLogprob] | None) -> RequestOutput:
+        """The delta for a request that just got num_new tokens (the final one if the request has finished)."""
         state = self.texts[req.request_id]
         if req.is_finished:
             state.finish()
-        return self._output(req, state.take(req.is_finished), [logprob] if logprob is not None else None)
+        return self._output(req, state.take(req.is_finished), logprobs, num_new)
 
     def finished_output(self, req: Request) -> RequestOutput:
         """The final output of a request that ended without a new token (abort, error)."""
         state = self.texts.get(req.request_id)
         text = state.take(True) if state is not None else ""
-        return self._output(req, text, None, new_tokens=False)
+        return self._output(req, text, None, 0)
 
-    def _output(
-        self,
-        req: Request,
-        text: str,
-        logprobs: list[TokenLogprob] | None,
-        new_tokens: bool = True,
-    ) -> RequestOutput:
+    def _output(self, req: Request, text: str, logprobs: list[TokenLogprob] | None, num_new: int) -> RequestOutput:
         out = RequestOutput(
             request_id=req.request_id,
-            new_token_ids=req.output_token_ids[-1:] if new_tokens else [],
+            new_token_ids=req.output_token_ids[len(req.output_token_ids) - num_new :],
             new_text=text,
             logprobs=logprobs,
             num_prompt_tokens=req.num_prompt_tokens,

@@ -21,11 +21,13 @@ from service.engine.kv_cache_manager import KVCacheManager
 from service.engine.scheduler_config import SchedulerConfig
 from service.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from service.request import Request, RequestStatus
+from service.stops import stop_for
 
 logger = logging.getLogger(__name__)
 
 # Share of a step's token budget that running prefills leave to waiting requests (only while some wait).
 WAITING_RESERVE_FRACTION = 0.25
+_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
 
 class Scheduler:
@@ -179,10 +181,11 @@ class Scheduler:
         return returned
 
     # ---- results ---------------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step's results: advance computed tokens, append sampled tokens, stop finished requests.
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
+        """Apply a step's results: advance computed tokens, append each request's new tokens (its text too) and
+        decide every stop rule (service/stops.py) at each, ending the request at the first that stops it.
 
-        Returns the requests that received a token (finished ones included, already freed).
+        Returns (request, tokens appended) for the requests that got tokens (finished ones included, freed).
         """
         now = self.clock()
         updated = []
@@ -191,26 +194,22 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += len(seq.token_ids)
-            token = sampled.get(seq.req_id)
-            if token is None:
+            tokens = sampled.get(seq.req_id)
+            if not tokens:
                 continue
-            req.append_token(token, now)
-            status = self._stop_status(req, token)
-            if status is not None:
-                self._finish(req, status, now)
-            updated.append(req)
+            appended = 0
+            for token in tokens:
+                req.append_token(token, now)
+                appended += 1
+                text_stop = req.text.push(token) if req.text is not None else None
+                stop = stop_for(token, req.sampling, req.eos_token_ids, len(req.output_token_ids), req.num_tokens,
+                                self.cfg.max_seq_len, text_stop)  # fmt: skip
+                if stop is not None:
+                    req.stop_reason = stop.stop_reason
+                    self._finish(req, _STATUS[stop.finish_reason], now)
+                    break
+            updated.append((req, appended))
         return updated
-
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.sampling
-        if token in params.stop_token_ids:
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if not params.ignore_eos and token in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.cfg.max_seq_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish requests in any state (abort, stop string, engine error); unknown ids are ignored."""
