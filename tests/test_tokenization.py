@@ -60,11 +60,21 @@ def _spin_rate(during: Callable[[], object] | None = None, solo_iterations: int 
     return count[0] / elapsed
 
 
+def _keeps_half_its_rate(during: Callable[[], object]) -> None:
+    """Another thread keeps at least half its solo rate while `during` runs, in one of three back-to-back pairs of
+    measurements (a busy box's other load moves both; holding the GIL drops it to a few percent every time)."""
+    ratios = []
+    for _ in range(3):
+        solo = _spin_rate()
+        ratios.append(_spin_rate(during) / solo)
+        if ratios[-1] >= 0.5:
+            return
+    raise AssertionError(f"another thread ran at {', '.join(f'{r:.0%}' for r in ratios)} of its solo rate")
+
+
 def test_encode_leaves_other_python_threads_running(smollm2: Tokenizer) -> None:
     text = (PROSE * 4000)[:400_000]  # about a second of tokenizing
-    solo = _spin_rate()
-    during = _spin_rate(lambda: smollm2.encode(text))
-    assert during >= 0.5 * solo, f"another thread ran at {during / solo:.0%} of its solo rate"
+    _keeps_half_its_rate(lambda: smollm2.encode(text))
 
 
 def test_a_text_too_long_is_refused_from_a_prefix(smollm2: Tokenizer) -> None:
@@ -110,9 +120,7 @@ def test_a_maximal_tokenize_leaves_the_server_process_running(smollm2_engine_dir
         info = srv.stub().GetModelInfo(llm_pb2.GetModelInfoRequest())
         text = (PROSE * 10_000)[: int(info.max_text_bytes * 0.9)]
         stub = srv.stub()
-        solo = _spin_rate()
-        during = _spin_rate(lambda: stub.Tokenize(llm_pb2.TokenizeRequest(text=text), timeout=120))
-        assert during >= 0.5 * solo, f"another thread ran at {during / solo:.0%} of its solo rate"
+        _keeps_half_its_rate(lambda: stub.Tokenize(llm_pb2.TokenizeRequest(text=text), timeout=120))
 
 
 @pytest.fixture(scope="module")

@@ -54,14 +54,15 @@ class Slot:
 
 
 class WriteWatch:
-    """The writer side of one stream: `pending()` before handing a response to gRPC, `sent()` once it took it."""
+    """The writer side of one stream: `pending()` before handing a response to gRPC, `sent()` once it took it;
+    `on_stall` (set by the handler) aborts the stream's requests in the backend when the edge ends it."""
 
-    __slots__ = ("context", "peer", "since", "stalled", "task")
+    __slots__ = ("context", "on_stall", "peer", "since", "stalled")
 
-    def __init__(self, peer: str, context: grpc.aio.ServicerContext, task: asyncio.Task | None) -> None:
+    def __init__(self, peer: str, context: grpc.aio.ServicerContext) -> None:
         self.peer = peer
         self.context = context
-        self.task = task  # the handler's
+        self.on_stall: Callable[[], None] | None = None
         self.since: float | None = None  # when the response now being written was handed over
         self.stalled = False  # the edge ended the stream for it
 
@@ -163,7 +164,7 @@ class Edge:
     @contextlib.contextmanager
     def watch_writes(self, context: grpc.aio.ServicerContext) -> Iterator[WriteWatch]:
         """Register a stream's writer for the stall watch for the block."""
-        watch = WriteWatch(context.peer(), context, asyncio.current_task())
+        watch = WriteWatch(context.peer(), context)
         self._writers.add(watch)
         self._start_sweeper()
         try:
@@ -196,30 +197,23 @@ class Edge:
             )
             self._writers.discard(watch)
             watch.stalled = True
-            # NOTE: abort() from outside the handler queues the status (the client sees it whenever it reads
-            # again), then cancelling the handler's task ends its write that the client never takes, so its
-            # cleanup aborts the requests in the backend now. A cancel alone leaves the client waiting for a
-            # status that never comes; an abort alone leaves the handler waiting on that write.
-            task = asyncio.ensure_future(self._end(watch))
+            # NOTE: abort() from outside the handler queues the status, which the client sees whenever it reads
+            # again (the handler's pending write then returns and gRPC closes it); on_stall aborts the stream's
+            # requests in the backend now. Cancelling the handler's task instead can leave the client waiting for
+            # a status that never comes.
+            task = asyncio.ensure_future(self._abort(watch))
             self._ending.add(task)
             task.add_done_callback(self._ending.discard)
+            if watch.on_stall is not None:
+                watch.on_stall()
             if self._on_stall is not None:
                 self._on_stall()
         return len(stalled)
 
-    async def _end(self, watch: WriteWatch) -> None:
+    async def _abort(self, watch: WriteWatch) -> None:
         message = f"stream ended: its client took no response for {self.stall_timeout_s:.0f} s (--stream-stall-timeout)"
-
-        async def abort() -> None:
-            with contextlib.suppress(Exception):  # AbortError: the abort's own way of returning
-                await watch.context.abort(grpc.StatusCode.ABORTED, message)  # returns once the client reads
-
-        aborting = asyncio.ensure_future(abort())
-        self._ending.add(aborting)
-        aborting.add_done_callback(self._ending.discard)
-        await asyncio.sleep(0)  # the abort's first step: its status op is queued
-        if watch.task is not None:
-            watch.task.cancel()
+        with contextlib.suppress(Exception):  # AbortError: the abort's own way of returning
+            await watch.context.abort(grpc.StatusCode.ABORTED, message)  # returns once the client reads
 
     def close(self) -> None:
         if self._sweeper is not None:

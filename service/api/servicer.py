@@ -112,6 +112,7 @@ class LLMServicer:
                     logger.info("request %s prompt ids %s", request_id, gen.prompt_token_ids)
                 # the slot ends with the request's work; closing `outputs` (whatever ends this handler) aborts it
                 async with contextlib.aclosing(backend.generate(gen, on_done=slot.release)) as outputs:
+                    writes.on_stall = lambda: _spawn(outputs.aclose())  # a stalled reader: abort the request now
                     async for out in outputs:
                         if out.new_token_ids or out.new_text:
                             sent += len(out.new_token_ids)
@@ -128,13 +129,13 @@ class LLMServicer:
         except (asyncio.CancelledError, GeneratorExit):  # client gone, deadline, or a stalled reader: grpc closes
             expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            if writes is not None and writes.stalled:
-                code = grpc.StatusCode.ABORTED  # the edge ended it: the client took no response for too long
             raise  # the backend already aborted the request; re-raise (swallowing leaks, grpc#43360)
         except Exception as exc:
             code, message = status_for(exc, request_id, sent)
             await context.abort(code, message)
         finally:
+            if writes is not None and writes.stalled:
+                code = grpc.StatusCode.ABORTED  # the edge ended it: the client took no response for too long
             self.metrics.rpc_finished(code.name)
 
     @unary_errors
@@ -158,6 +159,16 @@ class LLMServicer:
             backend = self.edge.ready()
             self.edge.parse(llm_pb2.GetModelInfoRequest, raw)
             return model_info(backend, self.edge.max_rpcs)
+
+
+_BACKGROUND: set[asyncio.Task] = set()
+
+
+def _spawn(coro) -> None:
+    """Run a coroutine in the background, keeping a reference until it is done."""
+    task = asyncio.ensure_future(coro)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
 
 
 def _log_finished(request_id: str, out: RequestOutput, sent: int) -> None:

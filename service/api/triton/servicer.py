@@ -442,6 +442,8 @@ class TritonServicer(GRPCInferenceServiceServicer):
         reader = asyncio.ensure_future(supervise())
         try:
             with self.edge.watch_writes(context) as writes:
+                # a stalled reader: stop taking requests, abort those in flight (their tasks' cleanup does)
+                writes.on_stall = lambda: [task.cancel() for task in (reader, *stream.tasks)]
                 while True:
                     item = await queue.get()
                     if item is None:
