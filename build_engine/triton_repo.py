@@ -10,8 +10,8 @@ Writes TensorRT-LLM's inflight_batcher_llm layout (1.2 era) for Triton's `*-trtl
     postprocessing/  config.pbtxt, 1/model.py (ours: build_engine/triton_models/postprocessing.py)
 
 Every config.pbtxt is a ModelConfig message (tritonclient's model_config_pb2) written with protobuf's text format,
-from the same tensor tables the service's own Triton front door serves (service/api/triton/models.py), so it
-parses by construction; the values the TensorRT-LLM backend's docs call mandatory are all set (backend, max
+from the same tensor tables the service's own Triton front door serves (build_engine/triton_models/tables.py), so
+it parses by construction; the values the TensorRT-LLM backend's docs call mandatory are all set (backend, max
 batch size, decoupled mode, queue delay and size, engine path, batching strategy, the logits data type), with
 the paged KV cache fraction, block reuse, chunked context and scheduler policy of the service's trtllm backend
 (service/config.py TrtllmConfig). The Python steps are our own model.py files, not copies of the container's:
@@ -33,6 +33,7 @@ from pathlib import Path
 from build_engine import spec
 from build_engine.source import BuildError
 from build_engine.spec import EngineConfig, EngineFormatError, load_engine_config
+from build_engine.triton_models.tables import MODELS
 from service.config import TrtllmConfig
 
 # The Triton container that serves engines of TensorRT-LLM 1.2.1. NOTE: not verified here (no NGC access): the
@@ -69,8 +70,7 @@ def configs(
     max_queue_size: int = 0,
 ) -> dict:
     """The four ModelConfig messages, by model name."""
-    from service.api.triton.configs import model_config  # tritonclient's model_config_pb2
-    from service.api.triton.models import MODELS
+    from build_engine.triton_models.configs import model_config  # tritonclient's model_config_pb2
 
     batch = max_batch_size or config.limits.max_batch_size
     llm_params = {

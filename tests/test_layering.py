@@ -41,5 +41,5 @@ def test_native_path_does_not_import_tritonclient(module: str) -> None:
 
 
 def test_triton_model_tables_are_a_leaf() -> None:
-    loaded = _loaded_after("service.api.triton.models")
+    loaded = _loaded_after("build_engine.triton_models.tables")
     assert not {m for m in loaded if m.split(".")[0] in ("tritonclient", "grpc", "numpy")}

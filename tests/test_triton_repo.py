@@ -17,8 +17,8 @@ from build_engine import spec
 from build_engine.spec import load_engine_config
 from build_engine.triton_models.postprocessing import Postprocessor
 from build_engine.triton_models.preprocessing import Preprocessor
+from build_engine.triton_models.tables import MODELS
 from build_engine.triton_repo import STEPS, TRITON_IMAGE, main
-from service.api.triton.models import MODELS
 from service.tokenizer import Tokenizer
 
 
