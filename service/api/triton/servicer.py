@@ -38,8 +38,7 @@ from build_engine.triton_models.tables import COUNT_OUTPUTS, MODEL_VERSION, MODE
 from service.api.edge import Edge, Slot
 from service.api.interceptors import cache_salt
 from service.api.metrics import ServiceMetrics
-from service.api.servicer import DEADLINE_SLACK_S
-from service.api.status import status_for, unary_errors
+from service.api.status import DEADLINE_SLACK_S, status_for, unary_errors
 from service.api.triton.convert import TritonCall, tensor_names, to_call
 from service.api.triton.tensors import ResponseBuilder, decode_inputs
 from service.api.validation import REQUEST_ID, TextLimits, encode_text
