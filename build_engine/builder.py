@@ -105,7 +105,7 @@ def _write_manifest(out: Path, config: EngineConfig, extra: dict[str, Any] | Non
 def _identity(engine_dir: Path) -> dict[str, Any] | None:
     """What decides whether an existing engine is the one a build would write: its config (input checksum,
     limits, tokenizer ids) and the backend's own build settings."""
-    manifest = json.loads((engine_dir / spec.MANIFEST_FILE).read_text())
+    manifest = spec.read_manifest(engine_dir)
     if manifest.get("backend", "native") == "native":
         return {"engine": json.loads((engine_dir / spec.CONFIG_FILE).read_text())}
     return {"engine": manifest.get("engine"), "settings": manifest.get("settings")}
@@ -232,7 +232,7 @@ def config_weights(trtllm: TrtllmOptions | None) -> str:
 def _same_input(output: Path, config: EngineConfig) -> bool:
     """An engine of ours built from the same model input (same checksum), whatever its settings or format."""
     try:
-        manifest = json.loads((output / spec.MANIFEST_FILE).read_text())
+        manifest = spec.read_manifest(output)
         engine = manifest.get("engine") or json.loads((output / spec.CONFIG_FILE).read_text())
     except (OSError, ValueError):
         return False

@@ -10,12 +10,13 @@ Writes TensorRT-LLM's inflight_batcher_llm layout (1.2 era) for Triton's `*-trtl
     postprocessing/  config.pbtxt, 1/model.py (ours: build_engine/triton_models/postprocessing.py)
 
 Every config.pbtxt is a ModelConfig message (tritonclient's model_config_pb2) written with protobuf's text format,
-from the same tensor tables the service's own Triton front door serves (service/api/triton/models.py), so it
-parses by construction; the values the TensorRT-LLM backend's docs call mandatory are all set (backend, max
+from the same tensor tables the service's own Triton front door serves (build_engine/triton_models/tables.py), so
+it parses by construction; the values the TensorRT-LLM backend's docs call mandatory are all set (backend, max
 batch size, decoupled mode, queue delay and size, engine path, batching strategy, the logits data type), with
-the paged KV cache fraction, block reuse, chunked context and scheduler policy of the service's trtllm backend
-(service/config.py TrtllmConfig). The Python steps are our own model.py files, not copies of the container's:
-they tokenize with the engine's tokenizer exactly as the service does.
+the paged KV cache fraction, chunked context and scheduler policy passed in as a TrtllmRuntime (defaults: those of
+build_engine/trtllm_runtime.py, which the service's trtllm backend takes too) and block reuse (on unless
+--no-block-reuse). The Python steps are our own model.py files, not copies of the container's: they tokenize with
+the engine's tokenizer exactly as the service does.
 
 Paths inside the container: the engine directory is named by --engine-path (default: --engine as an absolute
 path, i.e. mount it at the same place), and the tokenizer is read from there too.
@@ -33,7 +34,8 @@ from pathlib import Path
 from build_engine import spec
 from build_engine.source import BuildError
 from build_engine.spec import EngineConfig, EngineFormatError, load_engine_config
-from service.config import TrtllmConfig
+from build_engine.triton_models.tables import MODELS
+from build_engine.trtllm_runtime import SCHEDULER_POLICIES, TrtllmRuntime
 
 # The Triton container that serves engines of TensorRT-LLM 1.2.1. NOTE: not verified here (no NGC access): the
 # tensorrtllm_backend moved to 1.2.1 on 2026-04-16 (its PR #853), so 26.05 is the first monthly release that can
@@ -62,15 +64,14 @@ def _engine(engine_dir: Path) -> tuple[EngineConfig, dict]:
 def configs(
     engine_path: str,
     config: EngineConfig,
-    trtllm: TrtllmConfig,
+    trtllm: TrtllmRuntime,
     prefix_caching: bool = True,
     max_batch_size: int | None = None,
     python_instances: int = 1,
     max_queue_size: int = 0,
 ) -> dict:
     """The four ModelConfig messages, by model name."""
-    from service.api.triton.configs import model_config  # tritonclient's model_config_pb2
-    from service.api.triton.models import MODELS
+    from build_engine.triton_models.configs import model_config  # tritonclient's model_config_pb2
 
     batch = max_batch_size or config.limits.max_batch_size
     llm_params = {
@@ -110,7 +111,7 @@ def write_repository(
     output: str | Path,
     engine_path: str | None = None,
     force: bool = False,
-    trtllm: TrtllmConfig | None = None,
+    trtllm: TrtllmRuntime | None = None,
     prefix_caching: bool = True,
     max_batch_size: int | None = None,
     python_instances: int = 1,
@@ -125,7 +126,7 @@ def write_repository(
         raise BuildError(f"{output} exists and is not empty (--force replaces it)")
     path = engine_path or str(engine_dir.resolve())
     messages = configs(
-        path, config, trtllm or TrtllmConfig(), prefix_caching, max_batch_size, python_instances, max_queue_size
+        path, config, trtllm or TrtllmRuntime(), prefix_caching, max_batch_size, python_instances, max_queue_size
     )
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
@@ -162,7 +163,7 @@ def run_command(output: Path, engine_dir: Path, engine_path: str, world_size: in
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    defaults = TrtllmConfig()
+    defaults = TrtllmRuntime()
     p = argparse.ArgumentParser(
         prog="python -m build_engine.triton_repo",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -185,7 +186,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--scheduler-policy",
         default=defaults.scheduler_policy,
-        choices=("guaranteed_no_evict", "max_utilization"),
+        choices=SCHEDULER_POLICIES,
         help="TensorRT-LLM's batch scheduler policy",
     )
     p.add_argument("--no-block-reuse", action="store_true", help="turn KV block reuse (prefix caching) off")
@@ -198,7 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    trtllm = TrtllmConfig(
+    trtllm = TrtllmRuntime(
         kv_cache_free_gpu_memory_fraction=args.kv_cache_free_gpu_memory_fraction,
         scheduler_policy=args.scheduler_policy,
         enable_chunked_context=not args.no_chunked_context,

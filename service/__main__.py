@@ -14,6 +14,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
+from build_engine.trtllm_runtime import SCHEDULER_POLICIES
 from service.api.server import LLMServer
 from service.backends import preflight
 from service.config import (
@@ -122,7 +123,7 @@ FLAGS = (
         "backend.trtllm.scheduler_policy",
         "trtllm: guaranteed_no_evict reserves prompt + max_tokens before admitting; max_utilization packs more "
         "and may pause requests",
-        choices=("guaranteed_no_evict", "max_utilization"),
+        choices=SCHEDULER_POLICIES,
     ),
     Flag(
         "--no-chunked-context",

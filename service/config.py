@@ -1,4 +1,6 @@
-"""Configuration of the server and its backends: every default lives here, once (a leaf module).
+"""Configuration of the server and its backends: every default lives here, once (a leaf module), except
+TensorRT-LLM's runtime settings, which the Triton model repository writes too: TrtllmConfig takes those from
+build_engine/trtllm_runtime.py (a leaf too).
 
 The command line (`service/__main__.py`) builds its flags from these dataclasses, so a flag's default, its
 `--help` and the value tests get without flags are the same thing.
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+
+from build_engine.trtllm_runtime import TrtllmRuntime
 
 BACKENDS = ("native", "trtllm", "triton")
 FAILURE_POLICIES = ("exit", "recover")
@@ -41,10 +45,9 @@ class NativeConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class TrtllmConfig:
-    kv_cache_free_gpu_memory_fraction: float = 0.9  # of the GPU memory left after the weights (TensorRT-LLM's)
-    scheduler_policy: str = "guaranteed_no_evict"  # or max_utilization (may pause requests)
-    enable_chunked_context: bool = True
+class TrtllmConfig(TrtllmRuntime):
+    """The trtllm backend's settings: TensorRT-LLM's runtime settings (fields and defaults: TrtllmRuntime), the
+    same ones python -m build_engine.triton_repo writes into a Triton model repository."""
 
 
 TRITON_MODELS = ("tensorrt_llm", "ensemble")

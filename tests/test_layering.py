@@ -1,9 +1,12 @@
 """The layering rules of docs (ARCHITECTURE): the scheduler side imports no numpy and no grpc; the engine core
 imports no generated protobuf code; tritonclient is imported only by the Triton front door, backend and
-repository generator, lazily: the native path never loads it."""
+repository generator, lazily: the native path never loads it. Imports run only up the layers: build_engine loads
+nothing of service, service/engine nothing of service/api or service/backends, and no front door another one.
+Each check imports in a fresh interpreter, so what another test imported does not count."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -14,6 +17,33 @@ def _loaded_after(module: str) -> set[str]:
     code = f"import sys, {module}; print(' '.join(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     return set(out.stdout.split())
+
+
+def _loaded_by_each(package: str) -> dict[str, set[str]]:
+    """Every module of `package` (pkgutil, subpackages included), imported in turn in one fresh interpreter: what
+    each import added to sys.modules. A module loaded as a side effect of an earlier import is that one's."""
+    code = (
+        "import importlib, json, pkgutil, sys\n"
+        f"pkg = importlib.import_module({package!r})\n"
+        "added = {pkg.__name__: sorted(sys.modules)}\n"
+        "for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "    before = set(sys.modules)\n"
+        "    importlib.import_module(info.name)\n"
+        "    added[info.name] = sorted(set(sys.modules) - before)\n"
+        "print(json.dumps(added))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"importing every module of {package} failed:\n{out.stderr}"
+    return {module: set(loaded) for module, loaded in json.loads(out.stdout).items()}
+
+
+def _offenders(added: dict[str, set[str]], *forbidden: str) -> dict[str, list[str]]:
+    """module -> the forbidden modules (a name in `forbidden` or below it) its import loaded."""
+    hits = {
+        m: sorted(x for x in loaded if any(x == f or x.startswith(f + ".") for f in forbidden))
+        for m, loaded in added.items()
+    }
+    return {m: h for m, h in hits.items() if h}
 
 
 @pytest.mark.parametrize(
@@ -41,5 +71,34 @@ def test_native_path_does_not_import_tritonclient(module: str) -> None:
 
 
 def test_triton_model_tables_are_a_leaf() -> None:
-    loaded = _loaded_after("service.api.triton.models")
+    loaded = _loaded_after("build_engine.triton_models.tables")
     assert not {m for m in loaded if m.split(".")[0] in ("tritonclient", "grpc", "numpy")}
+
+
+def test_build_engine_imports_nothing_of_service() -> None:
+    """build_engine writes the engine directory (and the Triton repository); service reads it, never the reverse."""
+    added = _loaded_by_each("build_engine")
+    assert {
+        "build_engine.triton_repo",
+        "build_engine.triton_models.tables",
+        "build_engine.triton_models.configs",
+    } <= set(added)
+    assert not _offenders(added, "service")
+
+
+def test_engine_imports_no_front_door_or_backend() -> None:
+    added = _loaded_by_each("service.engine")
+    assert {"service.engine.core", "service.engine.scheduler"} <= set(added)
+    assert not _offenders(added, "service.api", "service.backends")
+
+
+def test_front_doors_import_the_edge_not_each_other() -> None:
+    """The Triton door (service/api/triton/) and the llm.v1 door (service/api/servicer.py) share service/api/edge.py
+    and the modules around it; neither imports the other, and the edge imports neither."""
+    triton = _loaded_by_each("service.api.triton")
+    assert "service.api.triton.servicer" in triton and "service.api.edge" in set().union(*triton.values())
+    assert not _offenders(triton, "service.api.servicer", "service.api.server")
+    llm = _loaded_after("service.api.servicer")
+    assert "service.api.edge" in llm and not {m for m in llm if m.startswith("service.api.triton")}
+    edge = _loaded_after("service.api.edge")
+    assert not {m for m in edge if m == "service.api.servicer" or m.startswith("service.api.triton")}

@@ -17,8 +17,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from build_engine.triton_models.tables import MODELS
 from protos.llm.v1 import llm_pb2
-from service.api.triton.models import MODELS
 from tests.engines import build_tiny
 from tests.servers import ServerThread, generate, ids_and_text, make_config, running_server
 from tests.triton_clients import Streamer, inputs, is_final, stream_once, tensor

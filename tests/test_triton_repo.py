@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import py_compile
 import shutil
@@ -17,8 +18,10 @@ from build_engine import spec
 from build_engine.spec import load_engine_config
 from build_engine.triton_models.postprocessing import Postprocessor
 from build_engine.triton_models.preprocessing import Preprocessor
-from build_engine.triton_repo import STEPS, TRITON_IMAGE, main
-from service.api.triton.models import MODELS
+from build_engine.triton_models.tables import MODELS
+from build_engine.triton_repo import STEPS, TRITON_IMAGE, main, parse_args
+from build_engine.trtllm_runtime import TrtllmRuntime
+from service.config import TrtllmConfig
 from service.tokenizer import Tokenizer
 
 
@@ -151,3 +154,13 @@ def test_refusals(tmp_path: Path, tiny_engine_dir: Path, trtllm_engine: Path, ca
     assert cfg.max_batch_size == 4 and cfg.parameters["enable_kv_cache_reuse"].string_value == "false"
     assert cfg.parameters["batch_scheduler_policy"].string_value == "max_utilization"
     assert cfg.parameters["gpt_model_path"].string_value == str(trtllm_engine.resolve())
+
+
+def test_runtime_defaults_are_the_services() -> None:
+    """The repository's TensorRT-LLM runtime defaults and the trtllm backend's are one definition (TrtllmRuntime)."""
+    defaults = dataclasses.asdict(TrtllmRuntime())
+    assert dataclasses.asdict(TrtllmConfig()) == defaults
+    args = parse_args(["--engine", "e", "--output", "o"])
+    assert args.kv_cache_free_gpu_memory_fraction == defaults["kv_cache_free_gpu_memory_fraction"]
+    assert args.scheduler_policy == defaults["scheduler_policy"]
+    assert (not args.no_chunked_context) == defaults["enable_chunked_context"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tritonclient.grpc as tg
 
-from service.api.triton.models import MODELS
+from build_engine.triton_models.tables import MODELS
 
 NUMPY = {"BOOL": np.bool_, "INT32": np.int32, "INT64": np.int64, "UINT64": np.uint64, "FP32": np.float32}
 

@@ -18,7 +18,7 @@ from protos.llm.v1 import llm_pb2
 from service.api import interceptors, validation
 from service.api.edge import Edge
 from service.api.metrics import ServiceMetrics
-from service.api.status import status_for, unary_errors
+from service.api.status import DEADLINE_SLACK_S, status_for, unary_errors
 from service.api.validation import PromptInput, TextLimits, check_fields, prompt_ids, prompt_input
 from service.backends.base import Backend, BackendInfo
 from service.errors import DeadlineExceeded, InvalidRequest, ServerShutdown
@@ -28,7 +28,6 @@ from service.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 REPLY_SLICE = 8192  # tokens per protobuf call when a Tokenize reply is built
-DEADLINE_SLACK_S = 0.01  # a cancellation this close to the client's deadline is the deadline
 
 FINISH_REASONS = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_LENGTH}
 TIMING_SOURCES = {"engine": llm_pb2.TIMING_SOURCE_ENGINE, "edge": llm_pb2.TIMING_SOURCE_EDGE}

@@ -24,6 +24,8 @@ from service.errors import (
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
 
+DEADLINE_SLACK_S = 0.01  # a cancellation this close to the client's deadline is the deadline (DEADLINE_EXCEEDED)
+
 _CODES = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.api.triton.models import COUNT_OUTPUTS, PERF_OUTPUTS, ModelSpec
+from build_engine.triton_models.tables import COUNT_OUTPUTS, PERF_OUTPUTS, ModelSpec
 from service.api.triton.tensors import scalar
 from service.backends.base import BackendInfo
 from service.errors import InvalidRequest

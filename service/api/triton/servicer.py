@@ -1,10 +1,10 @@
 """TritonServicer: the KServe v2 `inference.GRPCInferenceService` (the stubs that ship in tritonclient) over the
 service's backend, speaking the TensorRT-LLM ensemble contract.
 
-Models (service/api/triton/models.py): `ensemble` (text, decoupled), `tensorrt_llm` (token ids, decoupled), their
-non-decoupled twins `ensemble_sync` / `tensorrt_llm_sync` for unary ModelInfer, and the ensemble's steps
-`preprocessing` / `postprocessing`, described (ModelReady, ModelMetadata, ModelConfig) for tools that read every
-step, but not served.
+Models (build_engine/triton_models/tables.py): `ensemble` (text, decoupled), `tensorrt_llm` (token ids,
+decoupled), their non-decoupled twins `ensemble_sync` / `tensorrt_llm_sync` for unary ModelInfer, and the
+ensemble's steps `preprocessing` / `postprocessing`, described (ModelReady, ModelMetadata, ModelConfig) for tools
+that read every step, but not served.
 
 Everything around the model is the llm.v1 edge's: the same backend, validation (SamplingParams, TextLimits, the
 backend's admission), status codes (service/api/status.py), RPC slots (`--max-concurrent-rpcs`: one per
@@ -33,14 +33,13 @@ import numpy as np
 from tritonclient.grpc import service_pb2
 from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 
+from build_engine.triton_models.configs import model_config
+from build_engine.triton_models.tables import COUNT_OUTPUTS, MODEL_VERSION, MODELS, PERF_OUTPUTS, ModelSpec
 from service.api.edge import Edge, Slot
 from service.api.interceptors import cache_salt
 from service.api.metrics import ServiceMetrics
-from service.api.servicer import DEADLINE_SLACK_S
-from service.api.status import status_for, unary_errors
-from service.api.triton.configs import model_config, model_metadata
+from service.api.status import DEADLINE_SLACK_S, status_for, unary_errors
 from service.api.triton.convert import TritonCall, tensor_names, to_call
-from service.api.triton.models import COUNT_OUTPUTS, MODEL_VERSION, MODELS, PERF_OUTPUTS, ModelSpec
 from service.api.triton.tensors import ResponseBuilder, decode_inputs
 from service.api.validation import REQUEST_ID, TextLimits, encode_text
 from service.backends.base import Backend
@@ -62,6 +61,17 @@ STREAM_BUFFER = 16  # responses waiting to be written per stream; beyond, its re
 EXTENSIONS = ("model_configuration", "binary_tensor_data", "parameters", "statistics")
 DECOUPLED_INFER = "ModelInfer RPC doesn't support models with decoupled transaction policy"  # Triton's words
 Response = service_pb2.ModelInferResponse | service_pb2.ModelStreamInferResponse  # unary | streamed
+
+
+def model_metadata(spec: ModelSpec) -> service_pb2.ModelMetadataResponse:
+    """ModelMetadata as Triton answers it: shapes with the batch dimension (-1) first."""
+    meta = service_pb2.ModelMetadataResponse(name=spec.name, versions=[MODEL_VERSION], platform=spec.platform)
+    for t in spec.served_inputs:
+        meta.inputs.add(name=t.name, datatype=t.datatype, shape=[-1, *t.dims])
+    for t in spec.outputs:
+        if t.served:
+            meta.outputs.add(name=t.name, datatype=t.datatype, shape=[-1, *t.dims])
+    return meta
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from service.api.triton.models import ModelSpec, Tensor
+from build_engine.triton_models.tables import ModelSpec, Tensor
 from service.errors import InvalidRequest
 
 NUMPY = {

@@ -1,7 +1,8 @@
-"""ModelSpec tables -> the protos Triton clients read: ModelConfig (model_config_pb2) and ModelMetadataResponse.
+"""ModelSpec tables (tables.py) -> Triton's ModelConfig message (tritonclient's model_config_pb2).
 
-Used by the front door (configs describing what it serves) and by build_engine/triton_repo.py (the config.pbtxt
-files of a real repository, written with text_format from the same ModelConfig messages).
+Used by build_engine/triton_repo.py (the config.pbtxt files of a real repository, written with text_format) and by
+the service's Triton front door (the ModelConfig RPC, service/api/triton/servicer.py), so both describe a model
+with the same message. tritonclient is imported here: import this module lazily from anything on the native path.
 """
 
 from __future__ import annotations
@@ -9,9 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tritonclient.grpc import model_config_pb2 as mc
-from tritonclient.grpc import service_pb2
 
-from service.api.triton.models import MODEL_VERSION, ModelSpec, Tensor
+from build_engine.triton_models.tables import ModelSpec, Tensor
 
 # KServe wire datatype -> model_config DataType
 DATA_TYPES = {
@@ -75,14 +75,3 @@ def model_config(
     for key, value in {**spec.parameters, **(parameters or {})}.items():
         cfg.parameters[key].string_value = value
     return cfg
-
-
-def model_metadata(spec: ModelSpec) -> service_pb2.ModelMetadataResponse:
-    """ModelMetadata as Triton answers it: shapes with the batch dimension (-1) first."""
-    meta = service_pb2.ModelMetadataResponse(name=spec.name, versions=[MODEL_VERSION], platform=spec.platform)
-    for t in spec.served_inputs:
-        meta.inputs.add(name=t.name, datatype=t.datatype, shape=[-1, *t.dims])
-    for t in spec.outputs:
-        if t.served:
-            meta.outputs.add(name=t.name, datatype=t.datatype, shape=[-1, *t.dims])
-    return meta

@@ -1,10 +1,11 @@
 """The models of Triton's TensorRT-LLM layout (inflight_batcher_llm, 1.2 era), as tensor tables (a leaf module:
 no grpc, no tritonclient).
 
-One table serves two readers: the KServe v2 front door describes and validates its models with it
-(service/api/triton/), and the model-repository generator writes a real Triton repository from it
-(build_engine/triton_repo.py). A tensor marked `served=False` exists in TensorRT-LLM's own `tensorrt_llm` model
-(so the generated repository declares it) but the front door does not take it.
+One table serves two readers: the model-repository generator writes a real Triton repository from it
+(build_engine/triton_repo.py), and the service's KServe v2 front door describes and validates its models with it
+(service/api/triton/, which imports it from here: build_engine imports nothing of service). A tensor marked
+`served=False` exists in TensorRT-LLM's own `tensorrt_llm` model (so the generated repository declares it) but the
+front door does not take it.
 
 Dims exclude the batch dimension (every model has max_batch_size > 0, so clients send shape [1, *dims]).
 Datatypes are KServe wire names ("BYTES" is model_config's TYPE_STRING).
@@ -164,7 +165,7 @@ ENSEMBLE_OUTPUTS = (
     *(_i(name) for name in COUNT_OUTPUTS),
 )
 
-# ---- the two Python steps around tensorrt_llm (our own model.py files: build_engine/triton_models/) ------------
+# ---- the two Python steps around tensorrt_llm (our own model.py files: preprocessing.py, postprocessing.py) ---
 PREPROCESSING_INPUTS = (
     Tensor("QUERY", "BYTES", optional=False),
     _i("REQUEST_OUTPUT_LEN", optional=False),
