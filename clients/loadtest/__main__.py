@@ -138,8 +138,10 @@ async def run_sweep(args: argparse.Namespace, console: Console) -> list[dict]:
     try:
         for kind, level in levels:
             n = args.num_requests
-            items = load(args.dataset, tok, n, lengths, rng)
-            for item in items[: args.warmup]:
+            # warm-up requests get prompts of their own: a prefix cache they fill serves none of the counted ones
+            items = load(args.dataset, tok, n + args.warmup, lengths, rng)
+            items, warmup = items[:n], items[n:]
+            for item in warmup:
                 await backend.send(item, sampling, RequestRecord(input_tokens=item.input_tokens))
             with Progress(
                 TextColumn(f"[bold]{kind}={level:g}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
