@@ -99,7 +99,7 @@ def test_triton_throughput_is_within_15_percent_of_llm_v1(smollm2_engine_dir: Pa
     from benchmarks.triton_bench import compare
 
     args = argparse.Namespace(
-        concurrency="4", num_requests=8, input_len=64, output_len=32, rounds=3, kv_cache_memory="512MiB"
+        concurrency=[4], num_requests=8, input_len=64, output_len=32, rounds=3, kv_cache_memory="512MiB"
     )
     (level,) = compare(str(smollm2_engine_dir), args)["levels"]
     assert level["llm_failed"] == level["triton_failed"] == 0
