@@ -1,4 +1,4 @@
-"""The benchmarks' shared helpers (benchmarks/common.py), without a server."""
+"""The benchmarks' shared helpers (benchmarks/common.py) and the llama-server comparison's table, without a server."""
 
 from __future__ import annotations
 
@@ -55,3 +55,23 @@ def test_cpu_meter_counts_this_process() -> None:
 
 def test_wait_for_quiet_without_time_returns_at_once() -> None:
     assert wait_for_quiet(0) < 0.5
+
+
+def _summary(tok: float, ttft: float, tpot: float) -> dict:
+    return {"output_throughput_tok_s": tok, "ttft_ms": {"p50": ttft}, "tpot_ms": {"p50": tpot}, "others_cores": 0.1,
+            "completed": 32, "failed": 0, "input_tokens": 32 * 128, "output_tokens": 32 * 128, "errors": []}  # fmt: skip
+
+
+def test_llama_server_comparison_table() -> None:
+    from benchmarks.serving_bench import _compare_lines, _exact
+
+    args = argparse.Namespace(compare_concurrency=16, input_len=128, output_len=128)
+    rounds = [(_summary(200, 600, 80), _summary(100, 6000, 120)), (_summary(180, 700, 70), _summary(90, 7000, 140))]
+    lines = _compare_lines(rounds, args)
+    assert "| ours (gRPC) | 190.0 [200.0, 180.0] | 650 | 75.0 | 0.10 |" in lines
+    assert "| llama-server (HTTP) | 95.0 [100.0, 90.0] | 6500 | 130.0 | 0.10 |" in lines
+    assert lines[-1].startswith("| ratio | **2.00x** (floor 2x, stretch 3x) | **0.10x**")
+    assert _exact(rounds[0][1], 32, args, "llama-server") is rounds[0][1]
+    short = {**_summary(1, 1, 1), "output_tokens": 32 * 128 - 5}  # a request that stopped early: not the same work
+    with pytest.raises(RuntimeError, match="llama-server"):
+        _exact(short, 32, args, "llama-server")

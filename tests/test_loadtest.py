@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +20,7 @@ from clients.loadtest.driver import closed_loop, open_loop
 from clients.loadtest.llama_server import LlamaServerBackend, SSEDecoder, parse_completion_event
 from clients.loadtest.metrics import SLO, RequestRecord, stats, summarize
 from clients.loadtest.workload import Lengths, TokenizerFns, WorkItem, from_jsonl, from_sharegpt, synthetic
+from tests.fake_llama_server import fake_server
 
 
 def _rec(send: float, chunks: list[tuple[float, int]], ok: bool = True, input_tokens: int = 10, **kw) -> RequestRecord:
@@ -146,66 +147,9 @@ def test_triton_streamed_responses_are_parsed() -> None:
 
 
 # ---- llama-server, against a fake of its HTTP API -------------------------------------------------------------
-class _FakeLlamaHandler(BaseHTTPRequestHandler):
-    """llama-server's /completion stream as llama.cpp 0c1e570 sends it (chunked SSE, one event per token, the final
-    event with the timings), /tokenize and /props; it answers at once (no latency: the records' shape is tested)."""
-
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def _send(self, status: int, doc: dict) -> None:
-        data = json.dumps(doc).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _chunk(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
-
-    def do_GET(self) -> None:
-        self._send(200, {"model_path": "/models/tiny-Q4_K_M.gguf", "build_info": "b1-fake", "total_slots": 4})
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if self.path == "/tokenize":
-            return self._send(200, {"tokens": [100 + ord(c) % 900 for c in body["content"]]})
-        self.server.bodies.append(body)
-        if body["n_predict"] == 0:
-            return self._send(400, {"error": {"code": 400, "message": "n_predict must be positive"}})
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        self._chunk(b":\n\n")  # an SSE comment (llama-server's keep-alive ping): no event
-        n, prompt = body["n_predict"], body["prompt"]
-        for i in range(1, n + 1):
-            if i == 2:
-                continue  # token 2 ends mid-UTF-8: held back, it comes with token 3 (tokens_predicted jumps by 2)
-            if body["prompt"] == "fail" and i == 3:
-                self._chunk(b'data: {"error": {"code": 500, "message": "boom"}}\n\n')
-                break
-            event = json.dumps({"content": "x", "tokens": [7], "stop": False, "tokens_predicted": i,
-                                "tokens_evaluated": len(prompt)}).encode()  # fmt: skip
-            self._chunk(b"data: " + event[:10])  # one event split over two chunks
-            self._chunk(event[10:] + b"\r\n\r\n")
-        else:
-            final = {"content": "", "tokens": [], "stop": True, "tokens_predicted": n, "tokens_evaluated": len(prompt),
-                     "stop_type": "limit", "timings": {"prompt_ms": 12.5, "predicted_n": n,
-                                                       "predicted_per_token_ms": 3.25}}  # fmt: skip
-            self._chunk(b"data: " + json.dumps(final).encode() + b"\n\n")
-        self._chunk(b"")
-
-
 @pytest.fixture
 def fake_llama_server() -> Iterator[ThreadingHTTPServer]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeLlamaHandler)
-    server.daemon_threads = True
-    server.bodies = []
+    server = fake_server("127.0.0.1", 0)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server
