@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import gemm_gflops, machine_line, publish
+from benchmarks.common import add_sweep_args, bench_parser, gemm_gflops, joined, machine_line, publish
 from service.engine.core import EngineCore
 from service.request import GenerateRequest, SamplingParams
 
@@ -73,15 +73,10 @@ def run_level(engine: EngineCore, concurrency: int, args: argparse.Namespace, rn
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", default="engines/smollm2-135m")
-    p.add_argument("--concurrency", default="1,4,16,32,64")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=2, help="requests per level = rounds x concurrency")
-    p.add_argument("--write", action="store_true", help="write the results into docs/benchmarks.md")
+    p = bench_parser(__doc__, "batch")
+    add_sweep_args(p, rounds=2, rounds_help="requests per level = rounds x concurrency")
     args = p.parse_args()
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = args.concurrency
     tokens = max(levels) * (args.input_len + args.output_len)
     engine = EngineCore(args.engine, num_kv_blocks=tokens // 16 + 64, enable_prefix_caching=False)
     rng = np.random.default_rng(0)
@@ -98,7 +93,7 @@ def main() -> None:
     lines = [
         "## In-flight batching, engine level (`python -m benchmarks.batch_bench`)",
         "",
-        f"Command: `python -m benchmarks.batch_bench --engine {args.engine} --concurrency {args.concurrency} "
+        f"Command: `python -m benchmarks.batch_bench --engine {args.engine} --concurrency {joined(levels)} "
         f"--rounds {args.rounds} --write`  ",
         f"Machine: {machine_line()}. {args.input_len} input / {args.output_len} output tokens per request "
         f"(ignore_eos), closed loop, {args.rounds} x C requests per level, chunked prefill "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchmarks.common import gemm_gflops, machine_line, publish, read_bandwidth_gbs
+from benchmarks.common import bench_parser, gemm_gflops, machine_line, publish, read_bandwidth_gbs
 from build_engine.spec import load_engine_config
 from service.engine.runners import numpy_runner
 from service.engine.runners.base import ForwardBatch, SeqChunk
@@ -156,15 +156,13 @@ def _peer_round(peer: dict | None, llama_python: str | None, gguf: str, args: ar
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", nargs="+", default=["engines/smollm2-135m"],
-                   help="engine directories (e.g. the default, packed, engine and a --weight-only none one)")  # fmt: skip
+    p = bench_parser(__doc__, "engine", engines=True,
+                     engine_help="engine directories (e.g. the default, packed, engine and a --weight-only none one)")  # fmt: skip
     p.add_argument("--runs", type=int, default=5, help="interleaved rounds (every engine and the peer each round)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--decode-context", type=int, default=16, help="prompt tokens before the decode steps")
     p.add_argument("--llama-python", help="a Python with llama-cpp-python: llama.cpp measured in the same run")
-    p.add_argument("--write", action="store_true", help="write the results into docs/benchmarks.md")
     args = p.parse_args()
 
     tokens = max(args.prompt_len, args.decode_context + args.decode_tokens)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine_line, publish
+from benchmarks.common import CpuMeter, machine_line, publish, wait_for_quiet
 from build_engine.packing import PackedMatrix, dequantize_packed
 from service.engine.quant import kernels as qk
 from service.engine.runners.numpy_runner import NumpyRunner
@@ -44,28 +44,8 @@ SECTIONS = ("decode", "head", "batch", "prefill", "pools", "crossover")
 DEFAULT_SECTIONS = ("decode", "head", "batch", "prefill")
 SETTLE_S = 0.25  # after switching thread counts: our pool's and OpenBLAS's idle workers spin before they sleep
 CLEAN = 0.2  # a round in which other processes used more cores than this is dropped (if >= 2 rounds are clean)
-CLK = os.sysconf("SC_CLK_TCK")
 POOL_KERNELS = ("c2", "c1", "numba-omp", "numba-workqueue", "none", "deq")
 POOL_WORKLOADS = ("decode", "batch16", "prefill")
-
-
-class Others:
-    """CPU cores used by other processes between start() and stop()."""
-
-    def _read(self) -> tuple[float, float, float]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        busy = sum(v) - v[3] - v[4]  # minus idle and iowait
-        t = os.times()
-        return busy / CLK, t.user + t.system, time.monotonic()
-
-    def start(self) -> Others:
-        self.s = self._read()
-        return self
-
-    def stop(self) -> float:
-        (b1, m1, t1), (b0, m0, t0) = self._read(), self.s
-        return max(0.0, ((b1 - b0) - (m1 - m0)) / max(t1 - t0, 1e-9))
 
 
 @dataclass
@@ -91,20 +71,15 @@ class Bench:
 
     def wait_quiet(self, threshold: float = 0.15, window: float = 1.0) -> None:
         """Wait (up to --wait-quiet s) until the whole box used < threshold cores over `window` s."""
-        deadline = time.monotonic() + self.wait_quiet_s
-        while time.monotonic() < deadline:
-            o = Others().start()
-            time.sleep(window)
-            if o.stop() < threshold:
-                return
+        wait_for_quiet(self.wait_quiet_s, max_cores=threshold, window_s=window)
 
     def rounds(self, groups: list[tuple[int, int, dict[str, Callable]]], n_rounds: int, per_round: int = 3) -> Result:
         """groups: [(our threads, BLAS threads, {label: fn})], each group run in turn in every round."""
-        total = Others().start()
+        total = CpuMeter().start()  # others: the box minus this process
         per: list[tuple[float, dict[str, float]]] = []
         for _ in range(n_rounds):
             self.wait_quiet()
-            o = Others().start()
+            o = CpuMeter().start()
             got: dict[str, float] = {}
             for ours, blas, fns in groups:
                 set_threads(ours, blas)
@@ -117,11 +92,11 @@ class Bench:
                         fn()
                         best = min(best, time.perf_counter() - start)
                     got[label] = best
-            per.append((o.stop(), got))
+            per.append((o.stop().others, got))
         clean = [g for load, g in per if load < CLEAN]
         use = clean if len(clean) >= 2 else [g for _, g in per]
         t = {k: float(np.median([g[k] for g in use])) for k in use[0]}
-        return Result(t, total.stop(), len(clean), len(per))
+        return Result(t, total.stop().others, len(clean), len(per))
 
 
 def set_threads(ours: int, blas: int) -> None:
@@ -414,13 +389,13 @@ def pool_child(engine: str, kernel: str, blas_threads: int, workload: str, steps
     for _ in range(1 if workload == "prefill" else 2):  # warm-up
         step()
     ts = []
-    others = Others().start()
+    others = CpuMeter().start()
     for _ in range(steps):
         start = time.perf_counter()
         step()
         ts.append(time.perf_counter() - start)
     res = {"median_ms": float(np.median(ts)) * 1e3, "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3}
-    res["others"] = others.stop()
+    res["others"] = others.stop().others
     if kernel.startswith("numba-"):
         import numba
 

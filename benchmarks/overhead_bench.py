@@ -17,15 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
 
-from benchmarks.common import free_port, machine_line, publish, start_service
+from benchmarks.common import Rounds, add_sweep_args, bench_parser, machine_line, publish, running_service
 from build_engine.spec import load_engine_config
 
 
@@ -63,12 +61,8 @@ def _engine_tpot(core, ids: list[int], output_len: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", default="engines/smollm2-135m")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--write", action="store_true", help="regenerate the overhead section of docs/benchmarks.md")
+    p = bench_parser(__doc__, "overhead")
+    add_sweep_args(p, concurrency=None, rounds=5)
     p.add_argument("--client", help=argparse.SUPPRESS)  # internal: child mode, TARGET:IDS_JSON
     args = p.parse_args()
     if args.client:
@@ -82,10 +76,8 @@ def main() -> None:
     cfg = load_engine_config(args.engine)
     core = EngineCore(args.engine, num_kv_blocks=64)
     rng = np.random.default_rng(0)
-    port = free_port()
-    proc = start_service(args.engine, port, "auto")
     engine, server, client = [], [], []
-    try:
+    with running_service(args.engine, "auto") as (_, port):
         _engine_tpot(core, rng.integers(100, cfg.arch.vocab_size, 16).tolist(), 8)  # warm-up both sides
         for r in range(args.rounds):
             ids = rng.integers(100, cfg.arch.vocab_size, args.input_len).tolist()
@@ -102,12 +94,9 @@ def main() -> None:
             client.append(res["client_tpot_ms"])
             print(f"round {r + 1}: engine {engine[-1]:.2f} ms, server {server[-1]:.2f}, client {client[-1]:.2f}",
                   file=sys.stderr)  # fmt: skip
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-    med = {k: statistics.median(v) for k, v in (("engine", engine), ("server", server), ("client", client))}
-    paired = {k: statistics.median(a / e for a, e in zip(v, engine, strict=True)) for k, v in
-              (("engine", engine), ("server", server), ("client", client))}  # fmt: skip
+    rounds = {"engine": Rounds(engine), "server": Rounds(server), "client": Rounds(client)}
+    med = {k: r.median for k, r in rounds.items()}
+    paired = {k: Rounds([a / e for a, e in zip(r.values, engine, strict=True)]).median for k, r in rounds.items()}
     lines = [
         "## Serving overhead of one stream (`python -m benchmarks.overhead_bench`)",
         "",
@@ -121,11 +110,11 @@ def main() -> None:
         "| Measured at | TPOT p50 ms | x engine (medians) | x engine, paired | rounds (ms) |",
         "|---|---|---|---|---|",
     ]
-    for name, values in (("engine (EngineCore)", engine), ("server (gRPC Timing)", server), ("client", client)):
+    for name in ("engine (EngineCore)", "server (gRPC Timing)", "client"):
         key = name.split()[0]
         lines.append(
             f"| {name} | {med[key]:.2f} | {med[key] / med['engine']:.3f}x | {paired[key]:.3f}x | "
-            f"{', '.join(f'{v:.2f}' for v in values)} |"
+            f"{rounds[key].spread(2)} |"
         )
     lines += ["", "Target: server and client <= 1.10x the engine (stretch 1.05x)."]
     publish("overhead_bench", lines, args.write)

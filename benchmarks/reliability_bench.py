@@ -20,17 +20,14 @@ unread    a Triton stream that never reads (40 requests): other clients served, 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
-import re
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,7 +35,15 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from benchmarks.common import free_port, machine_line, start_service, write_section
+from benchmarks.common import (
+    bench_parser,
+    free_port,
+    machine_line,
+    read_metric,
+    start_service,
+    stop_service,
+    write_section,
+)
 from build_engine.builder import build
 from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 from service.engine.core import EngineCore
@@ -60,12 +65,6 @@ def _served(engine: str, *flags: str, wrapper: tuple[str, ...] = ()) -> tuple[su
     proc = start_service(engine, port, KV, "--metrics-port", str(metrics), *flags, wrapper=wrapper,
                          log=subprocess.DEVNULL)  # fmt: skip
     return proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics}/metrics"
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        proc.wait(60)
 
 
 # ---- fault -----------------------------------------------------------------------------------------------------
@@ -128,7 +127,7 @@ def _recover_figure(engine: str) -> tuple[str, str, str]:
         state = asyncio.run(_idle(metrics))
         status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.Check(health_pb2.HealthCheckRequest()).status)
     finally:
-        _stop(proc)
+        stop_service(proc)
     return ("fault injected at step 40, policy recover",
             f"streams ended with {'/'.join(sorted({r[0] for r in results}))}; next request served {tokens} tokens "
             f"{serving_s:.2f} s later; health {status}; KV blocks used {state['llm_kv_cache_blocks_used']:.0f}, "
@@ -148,7 +147,7 @@ def abuse_figure(engine: str) -> tuple[str, str, str]:
     try:
         r = _stress(target, metrics, "abuse", "--baseline-s", "10")
     finally:
-        _stop(proc)
+        stop_service(proc)
     failed = ", ".join(f["case"] for f in r["failed"]) or "none"
     return ("abuse matrix: every field at its bounds and beyond, malformed protobuf, invalid UTF-8 in every string "
             "field, oversized messages",
@@ -162,7 +161,7 @@ def fuzz_figure(engine: str, n: int) -> tuple[str, str, str]:
     try:
         r = _stress(target, metrics, "fuzz", "--requests", str(n), "--concurrency", "16", "--seed", "0")
     finally:
-        _stop(proc)
+        stop_service(proc)
     codes = ", ".join(f"{k} {v}" for k, v in sorted(r["codes"].items()))
     return (f"field-level fuzz, {n} requests, seed 0",
             f"{codes}; findings {r['num_findings']}; health {r['health']}; KV blocks used after "
@@ -179,7 +178,7 @@ def soak_figure(engine: str, n: int) -> tuple[str, str, str]:
             r = _stress(target, metrics, "soak", "--streams", str(n), "--concurrency", "32", "--max-tokens", "16",
                         "--warmup", "1000", token=str(token))  # fmt: skip
         finally:
-            _stop(proc)
+            stop_service(proc)
     g = r["growth"]
     return (f"soak: {n} streams, 20% cancelled at random points, bearer auth on",
             f"{r['cancelled']} cancelled, problems {len(r['problems'])}; after warm-up: RSS "
@@ -314,7 +313,7 @@ def _gaps_during_prefill(engine: str, long_len: int, seed: int, *flags: str) -> 
         during = [t for t in times if t <= start + ttft]
         return ttft, [b - a for a, b in zip([start, *during], during, strict=False)]
     finally:
-        _stop(proc)
+        stop_service(proc)
 
 
 def prefill_fairness_figure(engine: str, long_len: int = 6000) -> tuple[str, str, str]:
@@ -468,14 +467,14 @@ def unread_figure(engine: str, stall_s: float = 10.0) -> tuple[str, str, str]:
             list(stub.Generate(req, timeout=60))
             latencies.append(time.monotonic() - start)
             serving += health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
-            if slots_idle is None and _metric(metrics, "llm_rpc_slots_used") == 0:
+            if slots_idle is None and read_metric(metrics, "llm_rpc_slots_used") == 0:
                 slots_idle = time.monotonic() - opened
-            if _metric(metrics, "llm_streams_stalled_total") >= 1:
+            if read_metric(metrics, "llm_streams_stalled_total") >= 1:
                 ended = time.monotonic() - opened
         call.cancel()
-        blocks = _metric(metrics, "llm_kv_cache_blocks_used")
+        blocks = read_metric(metrics, "llm_kv_cache_blocks_used")
     finally:
-        _stop(proc)
+        stop_service(proc)
     return (f"one Triton stream that never reads (40 x 300-token requests, a 1 KB HTTP/2 window), "
             f"--stream-stall-timeout {stall_s:.0f} s, another client's 16-token Generate in a loop",
             f"{len(latencies)} other Generates all OK (p50 {np.median(latencies) * 1e3:.0f} ms, max "
@@ -486,21 +485,13 @@ def unread_figure(engine: str, stall_s: float = 10.0) -> tuple[str, str, str]:
             "stall timeout")  # fmt: skip
 
 
-def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    m = re.search("^" + re.escape(name) + r" (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
-
-
 # ---- report -----------------------------------------------------------------------------------------------------
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", default="engines/smollm2-135m")
+    p = bench_parser(__doc__, "figures", doc_path="docs/reliability.md")
     p.add_argument("--soak-engine", help="engine for the soak (default: a tiny-random engine built for it)")
     p.add_argument("--only", default="fault,abuse,fuzz,soak,fairness,tokenize,unread")
     p.add_argument("--fuzz-requests", type=int, default=10_000)
     p.add_argument("--soak-streams", type=int, default=10_000)
-    p.add_argument("--write", action="store_true", help="write docs/reliability.md's figures section")
     args = p.parse_args()
     only = set(args.only.split(","))
     rows: list[tuple[str, str, str]] = []

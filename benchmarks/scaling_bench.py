@@ -13,7 +13,6 @@ Plots: docs/img/scaling/. Engines need max_seq_len >= the longest length (build 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import DOC, gemm_gflops, machine_line, publish, read_bandwidth_gbs
+from benchmarks.common import DOC, bench_parser, gemm_gflops, machine_line, publish, read_bandwidth_gbs
 from benchmarks.engine_bench import kv_bytes, prefill_flops, weight_bytes_per_step
 from build_engine.spec import load_engine_config
 from service.engine.core import EngineCore
@@ -103,11 +102,9 @@ def _plot(curves: dict[str, dict], ylabel: str, title: str, path: Path, ceiling:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", nargs="+", default=["engines/smollm2-135m"])
+    p = bench_parser(__doc__, "scaling", engines=True)
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--write", action="store_true")
     args = p.parse_args()
     lengths = tuple(int(x) for x in args.lengths.split(","))
     print("measuring ceilings ...", file=sys.stderr)

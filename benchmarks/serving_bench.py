@@ -1,57 +1,84 @@
 """Serving benchmark: start the service, sweep concurrency with the load tester, write docs/benchmarks.md.
 
     python -m benchmarks.serving_bench --engine engines/smollm2-135m [--concurrency 1,4,16,32,64]
-        [--llama-server PATH [--rounds 3]] [--write]
+        [--llama-server PATH [--compare-concurrency 16] [--rounds 3]] [--write]
 
 Each level runs max(16, 3 x C) requests of --input-len synthetic tokens and exactly --output-len output tokens
-(ignore_eos), closed loop, through real gRPC on 127.0.0.1. Plots go to docs/img/serving/.
+(ignore_eos), closed loop, through real gRPC on 127.0.0.1, with prompts of its own (seeded by the level: with the
+same prompts a level would be served from the prefix cache the level before filled; the service's hit counter is
+reported per level). Plots go to docs/img/serving/.
 With --llama-server (llama.cpp's HTTP server binary, scripts/build_llamacpp_peer.sh), both servers run side by
-side and --rounds interleaved rounds at --compare-concurrency (2 x C requests each, the same lengths, greedy,
-ignore_eos, no prompt cache on either) compare output tok/s and TTFT / TPOT p50: medians of the rounds.
+side and --rounds interleaved rounds at --compare-concurrency drive each through the same load tester
+(`--protocol llm`, `--protocol llama-server`): 2 x C requests each, the same lengths and prompt seed for both,
+greedy, ignore_eos, no prompt cache on either; output tok/s and TTFT / TPOT p50 compared as medians of the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
-import statistics
 
 from rich.console import Console
 
-from benchmarks.common import DOC, free_port, machine_line, publish, start_service
+from benchmarks.common import (
+    DOC,
+    CpuMeter,
+    Rounds,
+    add_sweep_args,
+    bench_parser,
+    free_port,
+    joined,
+    loadtest,
+    machine_line,
+    publish,
+    read_metric,
+    running_service,
+)
 from build_engine.spec import load_engine_config
 from clients.loadtest import report
-from clients.loadtest.__main__ import parse_args, run_sweep
 
 IMG = DOC.parent / "img" / "serving"
+SLO = ("--slo", "ttft_ms=2000", "tpot_ms=100")
+HITS = "llm_prefix_cache_hit_tokens_total"
+COMPARED = ("output_throughput_tok_s", "ttft_ms.p50", "tpot_ms.p50", "others_cores")
 
 
-def _ours(port: int, concurrency: int, requests: int, args: argparse.Namespace, console: Console) -> list[dict]:
-    lt_args = parse_args([
-        "--target", f"127.0.0.1:{port}", "--concurrency", str(concurrency), "--num-requests", str(requests),
-        "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--ignore-eos",
-        "--warmup", "2", "--slo", "ttft_ms=2000", "tpot_ms=100",
-    ])  # fmt: skip
-    return asyncio.run(run_sweep(lt_args, console))
+def _sweep(target: str, metrics: str, args: argparse.Namespace, console: Console) -> list[dict]:
+    runs = []
+    for i, c in enumerate(args.concurrency):
+        hits = read_metric(metrics, HITS)
+        run = loadtest(target, c, max(16, 3 * c), args.input_len, args.output_len, *SLO, seed=i, console=console)
+        run["prefix_cache_hit_tokens"] = int(read_metric(metrics, HITS) - hits)
+        runs.append(run)
+    return runs
 
 
-def _compare(port: int, args: argparse.Namespace, console: Console) -> list[tuple[dict, dict]]:
-    """Interleaved rounds at one concurrency: (ours, llama-server's) per round."""
-    from benchmarks.llamacpp_peer import LlamaServer, concurrent
+def _exact(run: dict, requests: int, args: argparse.Namespace, who: str) -> dict:
+    """The comparison holds only if both servers did the same work: every request, exactly its tokens."""
+    want = (requests, 0, requests * args.input_len, requests * args.output_len)
+    got = (run["completed"], run["failed"], run["input_tokens"], run["output_tokens"])
+    if got != want:
+        raise RuntimeError(f"{who}: (completed, failed, input, output tokens) {got}, expected {want}: {run['errors']}")
+    return run
+
+
+def _compare(target: str, service_pid: int, args: argparse.Namespace, console: Console) -> list[tuple[dict, dict]]:
+    """Interleaved rounds at one concurrency: (ours, llama-server's) per round, the same prompts' seed in a round."""
+    from benchmarks.llamacpp_peer import LlamaServer
 
     c, gguf = args.compare_concurrency, args.gguf or _gguf(args.engine)
     ctx = -(-(args.input_len + args.output_len + 16) // 256) * 256
     rounds = []
     with LlamaServer(args.llama_server, gguf, n_parallel=c, ctx_per_slot=ctx, threads=2) as srv:
         for r in range(args.rounds):
-            ours = _ours(port, c, 2 * c, args, console)[0]
-            peer = concurrent(srv.url, 2 * c, c, args.input_len, args.output_len, seed=r, server_pid=srv.pid)
-            if peer["n_failed"]:
-                raise RuntimeError(f"llama-server failed {peer['n_failed']} requests: {peer['failures'][:3]}")
-            console.print(f"round {r + 1}: ours {ours['output_throughput_tok_s']:.1f} tok/s, llama-server "
-                          f"{peer['output_tok_s']:.1f} tok/s")  # fmt: skip
-            rounds.append((ours, peer))
+            pair = []
+            for who, url, flags in (("ours", target, ()), ("llama-server", srv.url, ("--protocol", "llama-server"))):
+                meter = CpuMeter([service_pid, srv.pid]).start()  # others: neither server nor the load tester
+                run = loadtest(url, c, 2 * c, args.input_len, args.output_len, *flags, seed=100 + r, console=console)
+                run["others_cores"] = meter.stop().others
+                pair.append(_exact(run, 2 * c, args, who))
+            console.print(f"round {r + 1}: ours {pair[0]['output_throughput_tok_s']:.1f} tok/s, llama-server "
+                          f"{pair[1]['output_throughput_tok_s']:.1f} tok/s")  # fmt: skip
+            rounds.append((pair[0], pair[1]))
     return rounds
 
 
@@ -68,80 +95,75 @@ def _gguf(engine: str) -> str:
 
 
 def _compare_lines(rounds: list[tuple[dict, dict]], args: argparse.Namespace) -> list[str]:
-    def med(values) -> float:
-        return statistics.median(values)
-
-    ours_tok = med(o["output_throughput_tok_s"] for o, _ in rounds)
-    peer_tok = med(p["output_tok_s"] for _, p in rounds)
-    ours_ttft, peer_ttft = med(o["ttft_ms"]["p50"] for o, _ in rounds), med(p["ttft"]["p50_ms"] for _, p in rounds)
-    ours_tpot, peer_tpot = med(o["tpot_ms"]["p50"] for o, _ in rounds), med(p["tpot"]["p50_ms"] for _, p in rounds)
+    ours = {key: Rounds.of((o for o, _ in rounds), key) for key in COMPARED}
+    peer = {key: Rounds.of((p for _, p in rounds), key) for key in COMPARED}
+    tok, ttft, tpot, others = COMPARED
     c = args.compare_concurrency
-    ours_rounds = ", ".join(f"{o['output_throughput_tok_s']:.1f}" for o, _ in rounds)
-    peer_rounds = ", ".join(f"{p['output_tok_s']:.1f}" for _, p in rounds)
+
+    def row(name: str, fig: dict[str, Rounds]) -> str:
+        return (f"| {name} | {fig[tok].median:.1f} [{fig[tok].spread()}] | {fig[ttft].median:.0f} | "
+                f"{fig[tpot].median:.1f} | {fig[others].median:.2f} |")  # fmt: skip
+
     return [
         "",
         f"### {c} concurrent streams against llama.cpp's llama-server (same GGUF, same box, same run)",
         "",
-        f"`--llama-server`: llama-server with {c} parallel slots, continuous batching, 2 threads, prompt cache off; "
-        f"{2 * c} requests per round of {args.input_len} token ids in, exactly {args.output_len} out (greedy, "
-        f"ignore_eos), closed loop at {c}. Medians of {len(rounds)} interleaved rounds; per-round values in brackets.",
+        f"`--llama-server`: llama-server with {c} parallel slots, continuous batching, 2 threads, prompt cache off "
+        "(`--cache-ram 0`, `cache_prompt: false`); both servers driven by the load tester (`--protocol llm`, "
+        f"`--protocol llama-server`, docs/loadtest.md), {2 * c} requests per round of {args.input_len} tokens in "
+        "(windows of the same text, each server's own tokenization, sent as token ids) and exactly "
+        f"{args.output_len} out (greedy, ignore_eos), closed loop at {c}, every round with prompts of its own (seed "
+        f"100 + round, the same for both). Every request completed with exactly these counts. Medians of "
+        f"{len(rounds)} interleaved rounds; per-round values in brackets; 'others' = CPU cores that other "
+        "processes (neither server nor the load tester) used meanwhile.",
         "",
-        "| | Output tok/s | TTFT p50 ms | TPOT p50 ms | Failed |",
+        "| | Output tok/s | TTFT p50 ms | TPOT p50 ms | Others (cores) |",
         "|---|---|---|---|---|",
-        f"| ours (gRPC) | {ours_tok:.1f} [{ours_rounds}] "
-        f"| {ours_ttft:.0f} | {ours_tpot:.1f} | {sum(o['failed'] for o, _ in rounds)} |",
-        f"| llama-server (HTTP) | {peer_tok:.1f} [{peer_rounds}] "
-        f"| {peer_ttft:.0f} | {peer_tpot:.1f} | {sum(p['n_failed'] for _, p in rounds)} |",
-        f"| ratio | **{ours_tok / peer_tok:.2f}x** (floor 2x, stretch 3x) | **{ours_ttft / peer_ttft:.2f}x** (floor "
-        f"<= 0.5x, stretch 0.33x) | {ours_tpot / peer_tpot:.2f}x | |",
+        row("ours (gRPC)", ours),
+        row("llama-server (HTTP)", peer),
+        f"| ratio | **{ours[tok].median / peer[tok].median:.2f}x** (floor 2x, stretch 3x) | "
+        f"**{ours[ttft].median / peer[ttft].median:.2f}x** (floor <= 0.5x, stretch 0.33x) | "
+        f"{ours[tpot].median / peer[tpot].median:.2f}x | |",
     ]
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", default="engines/smollm2-135m")
-    p.add_argument("--concurrency", default="1,4,16,32,64")
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p = bench_parser(__doc__, "serving")
+    add_sweep_args(p, rounds=3, rounds_help="interleaved rounds of the llama-server comparison")
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--llama-server", help="llama.cpp's llama-server binary: compare with it in the same run")
     p.add_argument("--gguf", help="the GGUF llama-server loads (default: the default model's, for its engines)")
     p.add_argument("--compare-concurrency", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the comparison")
-    p.add_argument("--write", action="store_true", help="regenerate the serving section of docs/benchmarks.md")
     args = p.parse_args()
-    levels = [int(c) for c in args.concurrency.split(",")]
-    port = free_port()
-    proc = start_service(args.engine, port, args.kv_cache_memory)
-    runs = []
     console = Console(stderr=True)
     compare: list[tuple[dict, dict]] = []
-    try:
-        for c in levels:
-            runs += _ours(port, c, max(16, 3 * c), args, console)
+    metrics_port = free_port()
+    with running_service(args.engine, args.kv_cache_memory, "--metrics-port", str(metrics_port)) as (proc, port):
+        target, metrics = f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
+        runs = _sweep(target, metrics, args, console)
         if args.llama_server:
-            compare = _compare(port, args, console)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+            compare = _compare(target, proc.pid, args, console)
     report.print_table(runs)
     by_c = {r["concurrency"]: r for r in runs}
+    levels = args.concurrency
     lines = [
         "## Serving: concurrency sweep through gRPC (`python -m benchmarks.serving_bench`)",
         "",
-        f"Command: `python -m benchmarks.serving_bench --engine {args.engine} --concurrency {args.concurrency}"
+        f"Command: `python -m benchmarks.serving_bench --engine {args.engine} --concurrency {joined(levels)}"
         + (f" --llama-server PATH --rounds {args.rounds}" if args.llama_server else "")
         + " --write`  ",
         f"Machine: {machine_line()}. The service runs as `python -m service` (native engine, weights "
         f"{load_engine_config(args.engine).weight_format}, defaults: 512-token steps, "
         f"prefix caching on); the load tester (`python -m clients.loadtest`, same machine, sharing its 2 cores) sends "
         f"{args.input_len}-token synthetic prompts and asks for exactly {args.output_len} tokens (ignore_eos), closed "
-        "loop, max(16, 3 x C) requests per level after 2 warm-up requests. Latencies are client-side; the server's "
-        "TTFT comes from each final message. Goodput SLO: TTFT <= 2000 ms and TPOT <= 100 ms.",
+        "loop, max(16, 3 x C) requests per level after 2 warm-up requests, every level (and the warm-up) with "
+        "prompts of its own; 'cached' = prompt tokens the prefix cache served in the level (the service's "
+        "counter). Latencies are client-side; the server's TTFT comes from each final message. Goodput SLO: "
+        "TTFT <= 2000 ms and TPOT <= 100 ms.",
         "",
         "| Concurrency | Requests ok / failed | Output tok/s | x concurrency 1 | Req/s | Goodput req/s | TTFT p50 / p99 ms "
-        "| TPOT p50 / p99 ms | ITL p50 ms | E2E p50 ms | Server TTFT p50 ms | TTFT gap p50 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TPOT p50 / p99 ms | ITL p50 ms | E2E p50 ms | Server TTFT p50 ms | TTFT gap p50 ms | Cached |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = by_c[levels[0]]["output_throughput_tok_s"]
     for r in runs:
@@ -150,7 +172,7 @@ def main() -> None:
             f"{r['output_throughput_tok_s'] / base:.2f}x | {r['request_throughput_rps']:.2f} | {r['goodput_rps']:.2f} | "
             f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} | {r['tpot_ms']['p50']:.1f} / {r['tpot_ms']['p99']:.1f} | "
             f"{r['itl_ms']['p50']:.1f} | {r['e2e_ms']['p50']:.0f} | {r['server_ttft_ms']['p50']:.0f} | "
-            f"{r['ttft_gap_ms']['p50']:.2f} |"
+            f"{r['ttft_gap_ms']['p50']:.2f} | {r['prefix_cache_hit_tokens']} |"
         )
     if 16 in by_c and 1 in by_c:
         ratio = by_c[16]["output_throughput_tok_s"] / by_c[1]["output_throughput_tok_s"]

@@ -6,29 +6,37 @@ Starts `python -m service --engine ... --triton-port P`, then runs `python -m cl
 as a user would) over llm.v1 and over Triton's protocol (`--protocol triton --model ensemble`, text prompts from
 the engine's tokenizer, `end_id=-1` for ignore-EOS), interleaved, --rounds times, and compares the median output
 token throughput per concurrency level. The work is the same: the same synthetic prompts (seeded), exactly
---output-len tokens each.
+--output-len tokens each, every run (round and protocol) with prompts of its own, so the service's prefix cache
+serves neither protocol the other's prompts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import free_port, machine_line, publish, start_service
+from benchmarks.common import (
+    Rounds,
+    add_sweep_args,
+    bench_parser,
+    free_port,
+    joined,
+    machine_line,
+    publish,
+    running_service,
+)
 
 
-def sweep(target: str, engine: str, protocol: str, args: argparse.Namespace, out: Path) -> list[dict]:
+def sweep(target: str, engine: str, protocol: str, args: argparse.Namespace, out: Path, seed: int) -> list[dict]:
     cmd = [
         sys.executable, "-m", "clients.loadtest", "--target", target, "--tokenizer", engine,
-        "--concurrency", args.concurrency, "--num-requests", str(args.num_requests),
+        "--concurrency", joined(args.concurrency), "--num-requests", str(args.num_requests),
         "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--ignore-eos", "--warmup", "2",
-        "--output", str(out),
+        "--seed", str(seed), "--output", str(out),
     ]  # fmt: skip
     if protocol == "triton":
         cmd += ["--protocol", "triton", "--model", "ensemble"]
@@ -37,25 +45,23 @@ def sweep(target: str, engine: str, protocol: str, args: argparse.Namespace, out
 
 
 def compare(engine: str, args: argparse.Namespace) -> dict:
-    port, triton_port = free_port(), free_port()
-    proc = start_service(engine, port, args.kv_cache_memory, "--triton-port", str(triton_port))
+    triton_port = free_port()
     results: dict[str, list[list[dict]]] = {"llm": [], "triton": []}
-    try:
+    with running_service(engine, args.kv_cache_memory, "--triton-port", str(triton_port)) as (_, port):
         with tempfile.TemporaryDirectory() as tmp:
             for i in range(args.rounds):
-                for protocol, target in (("llm", f"127.0.0.1:{port}"), ("triton", f"127.0.0.1:{triton_port}")):
-                    results[protocol].append(sweep(target, engine, protocol, args, Path(tmp) / f"{protocol}{i}.json"))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-    levels = [int(c) for c in args.concurrency.split(",")]
+                for j, (protocol, target) in enumerate((("llm", f"127.0.0.1:{port}"),
+                                                        ("triton", f"127.0.0.1:{triton_port}"))):  # fmt: skip
+                    out = Path(tmp) / f"{protocol}{i}.json"
+                    results[protocol].append(sweep(target, engine, protocol, args, out, seed=2 * i + j))
     table = []
-    for j, level in enumerate(levels):
+    for j, level in enumerate(args.concurrency):
         row = {"concurrency": level}
         for protocol, rounds in results.items():
             runs = [r[j] for r in rounds]
-            row[protocol] = statistics.median(r["output_throughput_tok_s"] for r in runs)
-            row[f"{protocol}_all"] = [round(r["output_throughput_tok_s"], 1) for r in runs]
+            tok = Rounds.of(runs, "output_throughput_tok_s")
+            row[protocol] = tok.median
+            row[f"{protocol}_all"] = [round(v, 1) for v in tok.values]
             row[f"{protocol}_failed"] = sum(r["failed"] for r in runs)
             row[f"{protocol}_tokens"] = {r["output_tokens"] for r in runs}
         row["ratio"] = row["triton"] / row["llm"]
@@ -64,27 +70,23 @@ def compare(engine: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", default="engines/smollm2-135m")
-    p.add_argument("--concurrency", default="1,8")
+    p = bench_parser(__doc__, "triton")
+    add_sweep_args(p, concurrency="1,8", output_len=64, rounds=3)
     p.add_argument("--num-requests", type=int, default=16)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kv-cache-memory", default="1GiB")
-    p.add_argument("--write", action="store_true", help="regenerate the triton section of docs/benchmarks.md")
     args = p.parse_args()
     result = compare(args.engine, args)
     lines = [
         "## Triton front door against llm.v1 (`python -m benchmarks.triton_bench`)",
         "",
-        f"Command: `python -m benchmarks.triton_bench --engine {args.engine} --concurrency {args.concurrency} "
+        f"Command: `python -m benchmarks.triton_bench --engine {args.engine} --concurrency {joined(args.concurrency)} "
         f"--rounds {args.rounds} --write`  ",
         f"Machine: {machine_line()}. One `python -m service --triton-port P` (native engine); the load tester runs "
         f"in its own process, {args.num_requests} requests per level of {args.input_len}-token synthetic prompts and "
         f"exactly {args.output_len} output tokens, over llm.v1 and over Triton's protocol (`--protocol triton "
         f"--model ensemble`: tritonclient's sync streaming client, one stream per request), interleaved, "
-        f"{args.rounds} rounds; the table gives the median output tokens/s (every round in brackets). Rounds "
+        f"{args.rounds} rounds, every run with prompts of its own (no prefix-cache hits across runs); the table gives "
+        "the median output tokens/s (every round in brackets). Rounds "
         "are interleaved so that a busy period of a shared machine hits both protocols alike; single rounds vary "
         "widely there, the medians are the comparison.",
         "",

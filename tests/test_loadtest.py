@@ -1,10 +1,15 @@
-"""Load-test client: metric math on hand-computed cases, Triton message mapping, workloads, load drivers."""
+"""Load-test client: metric math on hand-computed cases, Triton message mapping, the llama-server backend against a
+fake HTTP server, workloads, load drivers."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import threading
 import time
+from collections.abc import Iterator
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +17,10 @@ import pytest
 
 from clients.loadtest.backends import Sampling, parse_triton_response, triton_inputs
 from clients.loadtest.driver import closed_loop, open_loop
+from clients.loadtest.llama_server import LlamaServerBackend, SSEDecoder, parse_completion_event
 from clients.loadtest.metrics import SLO, RequestRecord, stats, summarize
 from clients.loadtest.workload import Lengths, TokenizerFns, WorkItem, from_jsonl, from_sharegpt, synthetic
+from tests.fake_llama_server import fake_server
 
 
 def _rec(send: float, chunks: list[tuple[float, int]], ok: bool = True, input_tokens: int = 10, **kw) -> RequestRecord:
@@ -137,6 +144,90 @@ def test_triton_streamed_responses_are_parsed() -> None:
     assert timed.server_tpot_ms == pytest.approx(40.0 / 4)  # (last - first) / (5 tokens - 1)
     empty_final = parse_triton_response(_infer_result(None, True), 5)
     assert empty_final.final and empty_final.tokens == 0 and empty_final.text == ""
+
+
+# ---- llama-server, against a fake of its HTTP API -------------------------------------------------------------
+@pytest.fixture
+def fake_llama_server() -> Iterator[ThreadingHTTPServer]:
+    server = fake_server("127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def _send(url: str, item: WorkItem, sampling: Sampling | None = None) -> RequestRecord:
+    rec = RequestRecord(input_tokens=item.input_tokens)
+    asyncio.run(LlamaServerBackend(url).send(item, sampling or Sampling(), rec))
+    return rec
+
+
+def test_llama_server_stream_becomes_token_records(fake_llama_server: ThreadingHTTPServer) -> None:
+    url = f"http://127.0.0.1:{fake_llama_server.server_port}"
+    rec = _send(url, WorkItem(None, [5, 6, 7], 3, 6))
+    assert rec.ok and rec.error is None
+    assert rec.chunk_tokens == [1, 2, 1, 1, 1] and rec.output_tokens == 6  # the held-back token counted once
+    assert len(rec.chunk_times) == 5 and rec.chunk_times == sorted(rec.chunk_times)
+    assert 0 < rec.ttft_ms <= rec.e2e_ms and len(rec.itl_ms) == 4 and min(rec.itl_ms) >= 0
+    assert rec.tpot_ms == pytest.approx((rec.e2e_ms - rec.ttft_ms) / 5)
+    assert (rec.input_tokens, rec.server_ttft_ms, rec.server_tpot_ms) == (3, 12.5, 3.25)  # the final event's
+    (body,) = fake_llama_server.bodies
+    assert body == {"prompt": [5, 6, 7], "n_predict": 6, "stream": True, "ignore_eos": True, "cache_prompt": False,
+                    "temperature": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0}  # fmt: skip
+    sampled = _send(url, WorkItem("a text prompt", None, 3, 4), Sampling(temperature=0.7, ignore_eos=False, seed=3))
+    assert sampled.ok and sampled.output_tokens == 4
+    body = fake_llama_server.bodies[-1]
+    assert (body["prompt"], body["top_k"], body["temperature"], body["seed"], body["ignore_eos"]) == (
+        "a text prompt", 0, 0.7, 3, False)  # fmt: skip
+
+
+def test_llama_server_failures_are_recorded(fake_llama_server: ThreadingHTTPServer) -> None:
+    url = f"http://127.0.0.1:{fake_llama_server.server_port}"
+    refused = _send(url, WorkItem(None, [5], 1, 0))
+    assert not refused.ok and refused.error.startswith("HTTP 400: ") and "n_predict" in refused.error
+    broken = _send(url, WorkItem("fail", None, 1, 8))
+    assert not broken.ok and broken.error == "LLAMA-SERVER: boom" and broken.output_tokens == 1  # counted until then
+    gone = _send(f"http://127.0.0.1:{_closed_port()}", WorkItem(None, [5], 1, 4))
+    assert not gone.ok and gone.error.startswith("UNAVAILABLE: ")
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # bound once, then closed: nothing listens there
+
+
+def test_llama_server_events_and_sse_framing() -> None:
+    sse = SSEDecoder()
+    assert sse.feed(b'data: {"a": 1}\r\n\r\n: ping\n\ndata: {"b"') == [{"a": 1}]
+    assert sse.feed(b': 2}\n\nerror: {"message": "old style"}\n\n') == [{"b": 2}, {"error": {"message": "old style"}}]
+    chunk = parse_completion_event({"content": "", "tokens": [1, 2], "stop": False}, 5)
+    assert (chunk.tokens, chunk.final) == (2, False)  # no tokens_predicted: the tokens it carries
+    final = parse_completion_event({"stop": True, "tokens_predicted": 1, "stop_type": "eos",
+                                    "timings": {"prompt_ms": 4.0, "predicted_n": 1, "predicted_per_token_ms": 0}}, 1)  # fmt: skip
+    assert final.final and final.tokens == 0 and final.server_ttft_ms == 4.0 and final.server_tpot_ms is None
+    with pytest.raises(ValueError, match="boom"):
+        parse_completion_event({"error": {"message": "boom"}}, 0)
+
+
+def test_llama_server_protocol_sweep(fake_llama_server: ThreadingHTTPServer, tmp_path: Path) -> None:
+    """`python -m clients.loadtest --protocol llama-server`: the server's tokenizer, exact lengths, its timings."""
+    from clients.loadtest.__main__ import main
+
+    url = f"http://127.0.0.1:{fake_llama_server.server_port}"
+    code = main(["--protocol", "llama-server", "--target", url, "--concurrency", "1,3", "--num-requests", "6",
+                 "--input-len", "16", "--output-len", "5", "--ignore-eos", "--warmup", "1",
+                 "--output", str(tmp_path / "r.json")])  # fmt: skip
+    assert code == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["meta"]["model"]["model_name"] == "tiny-Q4_K_M.gguf"
+    for run in result["runs"]:
+        assert (run["completed"], run["failed"], run["output_tokens"], run["input_tokens"]) == (6, 0, 30, 96)
+        assert run["server_ttft_ms"]["p50"] == 12.5 and run["itl_ms"]["p50"] is not None
+    assert [len(b["prompt"]) for b in fake_llama_server.bodies] == [16] * 14  # token ids; 2 warm-ups + 12
+    assert all(isinstance(t, int) for b in fake_llama_server.bodies for t in b["prompt"])
 
 
 # ---- workloads ----------------------------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -91,6 +94,29 @@ def test_triton_protocol_sweep_against_the_front_door(engine_dir: Path, tmp_path
         assert 0 < t["server_ttft_ms"]["p50"] <= t["ttft_ms"]["p50"]  # from the *_time_ns outputs
 
 
+def test_llama_server_comparison_path_against_a_fake_binary(engine_dir: Path, tmp_path: Path) -> None:
+    """serving_bench --llama-server end to end but for llama.cpp: LlamaServer starts tests/fake_llama_server.py as
+    its binary, and the same load tester drives both servers in interleaved rounds (the fake answers at once)."""
+    from rich.console import Console
+
+    from benchmarks.serving_bench import _compare, _compare_lines
+
+    binary = tmp_path / "llama-server"
+    binary.write_text(f'#!/bin/sh\nexec {sys.executable} {Path(__file__).parent / "fake_llama_server.py"} "$@"\n')
+    binary.chmod(0o755)
+    args = argparse.Namespace(llama_server=str(binary), gguf="/models/tiny.gguf", engine=str(engine_dir),
+                              compare_concurrency=2, rounds=2, input_len=16, output_len=4)  # fmt: skip
+    with running_server(engine_dir) as srv:
+        rounds = _compare(srv.target, os.getpid(), args, Console(stderr=True))
+    assert len(rounds) == 2
+    for ours, peer in rounds:  # _compare checked the counts; these are the same work on both
+        assert ours["output_tokens"] == peer["output_tokens"] == 4 * 4
+        assert ours["input_tokens"] == peer["input_tokens"] == 4 * 16
+        assert peer["server_ttft_ms"]["p50"] == 12.5  # the fake's timings reached the summary
+    lines = _compare_lines(rounds, args)
+    assert any(line.startswith("| llama-server (HTTP) |") for line in lines) and lines[-1].startswith("| ratio |")
+
+
 @pytest.mark.slow
 def test_triton_throughput_is_within_15_percent_of_llm_v1(smollm2_engine_dir: Path) -> None:
     """The real model, the service as a process, the load tester in its own: medians of 3 interleaved runs."""
@@ -99,7 +125,7 @@ def test_triton_throughput_is_within_15_percent_of_llm_v1(smollm2_engine_dir: Pa
     from benchmarks.triton_bench import compare
 
     args = argparse.Namespace(
-        concurrency="4", num_requests=8, input_len=64, output_len=32, rounds=3, kv_cache_memory="512MiB"
+        concurrency=[4], num_requests=8, input_len=64, output_len=32, rounds=3, kv_cache_memory="512MiB"
     )
     (level,) = compare(str(smollm2_engine_dir), args)["levels"]
     assert level["llm_failed"] == level["triton_failed"] == 0

@@ -1,7 +1,7 @@
 """Load-test client: python -m clients.loadtest --target HOST:PORT --concurrency 1,4,16,64 ...
 
 Closed-loop concurrency sweeps or open-loop request-rate sweeps (Poisson or gamma arrivals) against the llm.v1
-service or a Triton server running the TensorRT-LLM ensemble. Reports TTFT, TPOT, ITL and E2E percentiles,
+service, a Triton server running the TensorRT-LLM ensemble, or llama.cpp's llama-server. Reports TTFT, TPOT, ITL and E2E percentiles,
 throughputs and goodput per sweep point (metric definitions and the results format: docs/loadtest.md).
 """
 
@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from clients.common import HelpFormatter, add_connection_args, call_metadata, open_aio_channel, open_channel
-from clients.loadtest import report
+from clients.loadtest import llama_server, report
 from clients.loadtest.backends import Backend, LLMBackend, Sampling, TritonBackend
 from clients.loadtest.driver import closed_loop, open_loop
 from clients.loadtest.metrics import SLO, RequestRecord, summarize
@@ -43,7 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.splitlines()[0],
     )
     add_connection_args(p)
-    p.add_argument("--protocol", choices=["llm", "triton"], default="llm", help="llm.v1 or Triton KServe v2")
+    p.add_argument(
+        "--protocol",
+        choices=["llm", "triton", "llama-server"],
+        default="llm",
+        help="llm.v1, Triton KServe v2, or llama-server's HTTP /completion (--target http://HOST:PORT)",
+    )
     p.add_argument("--model", default="ensemble", help="Triton model name (with --protocol triton)")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", default="synthetic", help="'synthetic', a JSONL prompt file, or a ShareGPT JSON file")
@@ -54,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens tokens")
     w.add_argument("--temperature", type=float, default=0.0)
     w.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrival process")
-    w.add_argument("--tokenizer", help="tokenizer.json or engine dir (default for llm: the server's Tokenize RPC)")
+    w.add_argument("--tokenizer", help="tokenizer.json or engine dir (default for llm and llama-server: the server's)")
     load_args = p.add_argument_group("load (each sweep point is one run)")
     mode = load_args.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", help="closed loop: comma-separated concurrency levels, e.g. 1,4,16,64")
@@ -81,6 +86,8 @@ def tokenizer_fns(args: argparse.Namespace) -> TokenizerFns:
         return TokenizerFns(lambda s: tok.encode(s).ids, lambda ids: tok.decode(ids, skip_special_tokens=False))
     if args.protocol == "triton":
         raise SystemExit("loadtest: error: --protocol triton needs --tokenizer to build and count text prompts")
+    if args.protocol == "llama-server":
+        return llama_server.tokenizer_fns(llama_server.base_url(args.target), _http_headers(args))
     stub = llm_pb2_grpc.LLMServiceStub(open_channel(args))
     metadata = call_metadata(args)
 
@@ -94,6 +101,8 @@ def served_model(args: argparse.Namespace) -> dict:
     """What the target serves, for the report: GetModelInfo over llm.v1; Triton does not say (its model's name)."""
     if args.protocol == "triton":
         return {"model_name": args.model, "weight_format": "not reported by the triton protocol"}
+    if args.protocol == "llama-server":
+        return llama_server.model_info(llama_server.base_url(args.target), _http_headers(args))
     info = llm_pb2_grpc.LLMServiceStub(open_channel(args)).GetModelInfo(
         llm_pb2.GetModelInfoRequest(), metadata=call_metadata(args), timeout=30
     )
@@ -101,9 +110,17 @@ def served_model(args: argparse.Namespace) -> dict:
             "weight_format": info.weight_format}  # fmt: skip
 
 
+def _http_headers(args: argparse.Namespace) -> dict[str, str]:
+    if args.tls_ca:
+        raise ValueError("--protocol llama-server speaks plain HTTP: no --tls-ca")
+    return dict(call_metadata(args))  # llama-server --api-key checks the same "authorization: Bearer" header
+
+
 def make_backend(args: argparse.Namespace) -> Backend:
     if args.protocol == "triton":
         return TritonBackend(args.target, args.model)
+    if args.protocol == "llama-server":
+        return llama_server.LlamaServerBackend(args.target, _http_headers(args))
     return LLMBackend(open_aio_channel(args), call_metadata(args))
 
 
@@ -121,8 +138,10 @@ async def run_sweep(args: argparse.Namespace, console: Console) -> list[dict]:
     try:
         for kind, level in levels:
             n = args.num_requests
-            items = load(args.dataset, tok, n, lengths, rng)
-            for item in items[: args.warmup]:
+            # warm-up requests get prompts of their own: a prefix cache they fill serves none of the counted ones
+            items = load(args.dataset, tok, n + args.warmup, lengths, rng)
+            items, warmup = items[:n], items[n:]
+            for item in warmup:
                 await backend.send(item, sampling, RequestRecord(input_tokens=item.input_tokens))
             with Progress(
                 TextColumn(f"[bold]{kind}={level:g}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
