@@ -20,12 +20,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
 import grpc
 from google.protobuf.message import Message
 
+from service.api.status import DEADLINE_SLACK_S, status_for
 from service.api.tokenization import TokenizationGate
 from service.api.validation import TextLimits, parse
 from service.backends.base import Backend
@@ -73,6 +74,24 @@ class WriteWatch:
         self.since = None
 
 
+class Outcome:
+    """One RPC's final status, decided the same way at every front door (Edge.outcome)."""
+
+    __slots__ = ("code", "deadline", "label", "request_id", "tokens", "writes")
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        remaining = context.time_remaining()
+        self.deadline = None if remaining is None else time.monotonic() + remaining
+        self.code = grpc.StatusCode.OK
+        self.request_id: str | None = None  # for the error message, once known
+        self.tokens = 0  # streamed so far: an error after output is INTERNAL / ABORTED, before it UNAVAILABLE
+        self.label = ""  # what the RPC was about, for its metrics (a Triton model)
+        self.writes: WriteWatch | None = None  # the stream's writer, when it has one
+
+    def past_deadline(self, slack: float = 0.0) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline - slack
+
+
 class Edge:
     def __init__(
         self,
@@ -114,6 +133,29 @@ class Edge:
     async def tokenize(self, peer: str, num_bytes: int, limits: TextLimits, fn: Callable[..., T], *args: object) -> T:
         """Tokenization-sized work on `num_bytes` of text from `peer`, off the event loop and bounded."""
         return await self.tokenization.run(peer, num_bytes, limits.max_text_bytes, fn, *args)
+
+    @contextlib.asynccontextmanager
+    async def outcome(
+        self, context: grpc.aio.ServicerContext, done: Callable[[Outcome], None]
+    ) -> AsyncIterator[Outcome]:
+        """The block is one RPC; its exceptions become its status, and `done(outcome)` runs once with the final
+        code: a cancel at the client's deadline is DEADLINE_EXCEEDED, another CANCELLED (re-raised: swallowing it
+        leaks, grpc#43360), a stream the edge ended for a stalled reader ABORTED, an exception its code from
+        status_for (the request id and the tokens sent decide the message and UNAVAILABLE vs INTERNAL)."""
+        call = Outcome(context)
+        try:
+            yield call
+        except (asyncio.CancelledError, GeneratorExit):  # client gone or deadline: gRPC ends the handler
+            expired = call.past_deadline(DEADLINE_SLACK_S)
+            call.code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            call.code, message = status_for(exc, call.request_id, call.tokens)
+            await context.abort(call.code, message)
+        finally:
+            if call.writes is not None and call.writes.stalled:
+                call.code = grpc.StatusCode.ABORTED  # the edge ended it: its client took no response for too long
+            done(call)
 
     def check_reply(self, reply: Message, what: str, advice: str) -> None:
         """A reply larger than the send limit is refused by its size, naming the limit (not a transport error)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -18,7 +17,7 @@ from protos.llm.v1 import llm_pb2
 from service.api import interceptors, validation
 from service.api.edge import Edge
 from service.api.metrics import ServiceMetrics
-from service.api.status import DEADLINE_SLACK_S, status_for, unary_errors
+from service.api.status import unary_errors
 from service.api.validation import PromptInput, TextLimits, check_fields, prompt_ids, prompt_input
 from service.backends.base import Backend, BackendInfo
 from service.errors import DeadlineExceeded, InvalidRequest, ServerShutdown
@@ -93,28 +92,23 @@ class LLMServicer:
         )
 
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[llm_pb2.GenerateResponse]:
-        request_id: str | None = None
-        code = grpc.StatusCode.OK
-        sent = 0
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
         peer = context.peer()
-        writes = None
-        try:
+        async with self.edge.outcome(context, lambda call: self.metrics.rpc_finished(call.code.name)) as call:
             with self.edge.slot(peer) as slot, self.edge.watch_writes(context) as writes:
+                call.writes = writes
                 backend = self.edge.ready()
                 gen = await self._to_domain(self.edge.parse(llm_pb2.GenerateRequest, raw), backend, peer)
-                request_id = gen.request_id
-                if deadline is not None and time.monotonic() >= deadline:
+                call.request_id = gen.request_id
+                if call.past_deadline():
                     raise DeadlineExceeded("the deadline had passed before the request was queued")
                 if self.log_prompts:
-                    logger.info("request %s prompt ids %s", request_id, gen.prompt_token_ids)
+                    logger.info("request %s prompt ids %s", gen.request_id, gen.prompt_token_ids)
                 # the slot ends with the request's work; closing `outputs` (whatever ends this handler) aborts it
                 async with contextlib.aclosing(backend.generate(gen, on_done=slot.release)) as outputs:
                     writes.on_stall = lambda: _spawn(outputs.aclose())  # a stalled reader: abort the request now
                     async for out in outputs:
                         if out.new_token_ids or out.new_text:
-                            sent += len(out.new_token_ids)
+                            call.tokens += len(out.new_token_ids)
                             writes.pending()
                             yield _chunk(out)
                             writes.sent()
@@ -122,20 +116,9 @@ class LLMServicer:
                             if out.finish_reason == "abort" and self.edge.cut:
                                 raise ServerShutdown("the server shut down before the request finished")
                             writes.pending()
-                            yield _complete(request_id, out, sent)
+                            yield _complete(gen.request_id, out, call.tokens)
                             writes.sent()
-                            _log_finished(request_id, out, sent)
-        except (asyncio.CancelledError, GeneratorExit):  # client gone, deadline, or a stalled reader: grpc closes
-            expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            raise  # the backend already aborted the request; re-raise (swallowing leaks, grpc#43360)
-        except Exception as exc:
-            code, message = status_for(exc, request_id, sent)
-            await context.abort(code, message)
-        finally:
-            if writes is not None and writes.stalled:
-                code = grpc.StatusCode.ABORTED  # the edge ended it: the client took no response for too long
-            self.metrics.rpc_finished(code.name)
+                            _log_finished(gen.request_id, out, call.tokens)
 
     @unary_errors
     async def Tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.TokenizeResponse:

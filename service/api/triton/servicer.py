@@ -35,10 +35,10 @@ from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 
 from build_engine.triton_models.configs import model_config
 from build_engine.triton_models.tables import COUNT_OUTPUTS, MODEL_VERSION, MODELS, PERF_OUTPUTS, ModelSpec
-from service.api.edge import Edge, Slot
+from service.api.edge import Edge, Outcome, Slot
 from service.api.interceptors import cache_salt
 from service.api.metrics import ServiceMetrics
-from service.api.status import DEADLINE_SLACK_S, status_for, unary_errors
+from service.api.status import status_for, unary_errors
 from service.api.triton.convert import TritonCall, tensor_names, to_call
 from service.api.triton.tensors import ResponseBuilder, decode_inputs
 from service.api.validation import REQUEST_ID, TextLimits, encode_text
@@ -381,33 +381,26 @@ class TritonServicer(GRPCInferenceServiceServicer):
             raise InvalidRequest(tensor_names(str(exc), call.model)) from None
 
     async def ModelInfer(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelInferResponse:
-        started, model, code, request_id = time.monotonic_ns(), "", grpc.StatusCode.OK, None
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
-        progress = _Progress()
-        try:
+        started, progress = time.monotonic_ns(), _Progress()
+
+        def done(call: Outcome) -> None:
+            self._finished(call.label, call.code, started)
+
+        async with self.edge.outcome(context, done) as call:
             with self.edge.slot(context.peer()) as slot:
                 req = self.edge.parse(service_pb2.ModelInferRequest, raw)
-                model, request_id = req.model_name, req.id or None
+                call.label, call.request_id = req.model_name, req.id or None
                 if self._model(req.model_name, req.model_version).decoupled:
                     raise Unsupported(DECOUPLED_INFER)
-                call, backend, _ = await self._prepare(req)
-                if call.stop:  # nothing to stop: a unary request has no stream its id could name
-                    return ResponseBuilder(call.model.name, MODEL_VERSION, call.client_id, stream=False).response
+                request, backend, _ = await self._prepare(req)
+                if request.stop:  # nothing to stop: a unary request has no stream its id could name
+                    return ResponseBuilder(request.model.name, MODEL_VERSION, request.client_id, stream=False).response
                 result = None
-                async with contextlib.aclosing(self._run(call, backend, True, False, progress, slot)) as responses:
+                responses = self._run(request, backend, True, False, progress, slot)
+                async with contextlib.aclosing(responses):
                     async for resp in responses:
-                        result = resp
+                        result = resp  # one, at the end: a unary client has seen no output before (UNAVAILABLE)
                 return result
-        except (asyncio.CancelledError, GeneratorExit):  # client gone or deadline: the backend already aborted
-            expired = deadline is not None and time.monotonic() >= deadline - DEADLINE_SLACK_S
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            raise
-        except Exception as exc:
-            code, message = status_for(exc, request_id, progress.tokens)
-            await context.abort(code, message)
-        finally:
-            self._finished(model, code, started)
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
