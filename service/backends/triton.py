@@ -37,18 +37,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tritonclient.grpc import InferenceServerClient, InferInput
 from tritonclient.utils import InferenceServerException
 
 from build_engine.spec import load_engine_config
 from service.backends.base import BackendInfo
-from service.backends.remote import EndIds, RemoteRequest, sampling_values
+from service.backends.remote import EndIds, RemoteRequest
 from service.backends.runtime import BackendRuntime
-from service.config import BackendConfig, TritonConfig
+from service.backends.triton_io import (
+    channel_args,
+    end_requests,
+    ensemble_inputs,
+    is_final,
+    stamps,
+    streamed_text,
+    streamed_tokens,
+    token_inputs,
+)
+from service.config import BackendConfig
 from service.errors import BackendLoadError, EngineUnavailable, InvalidRequest
 from service.limits import check_request
-from service.request import GenerateRequest, RequestOutput, SamplingParams
+from service.request import GenerateRequest, RequestOutput
 from service.stops import Stop
 from service.telemetry import BackendStats, Observer
 from service.textstream import RequestText
@@ -56,8 +65,6 @@ from service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-FINAL = "triton_final_response"
-PERF = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
 MAX_IDLE_CLIENTS = 64  # pooled clients kept between requests (each holds a channel)
 NEEDS = {  # inputs the remote model must have for us to drive it
     "tensorrt_llm": ("input_ids", "input_lengths", "request_output_len", "streaming", "end_id"),
@@ -67,69 +74,6 @@ NOT_REPORTED = {
     "tensorrt_llm": ("logprobs", "cached_prompt_tokens"),
     "ensemble": ("chunk.token_ids", "logprobs", "cached_prompt_tokens", "stop_token_id"),
 }
-
-
-def channel_args(cfg: TritonConfig) -> list[tuple[str, int]]:
-    """tritonclient's defaults (unbounded message sizes) plus keepalive, and a short reconnect backoff so a
-    Triton server that comes back is seen again within seconds."""
-    return [
-        ("grpc.max_send_message_length", 2**31 - 1),
-        ("grpc.max_receive_message_length", 2**31 - 1),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 0),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.initial_reconnect_backoff_ms", 250),
-        ("grpc.min_reconnect_backoff_ms", 250),
-        ("grpc.max_reconnect_backoff_ms", int(max(1.0, cfg.health_period_s) * 1000)),
-    ]
-
-
-def end_requests(client: InferenceServerClient) -> None:
-    """End the request side of the client's stream (what stop_stream(cancel_requests=False) does first).
-
-    NOTE: tritonclient 2.73's stop_stream(cancel_requests=True) cancels the call but leaves gRPC's thread that
-    sends the requests blocked on the stream's request queue for ever: one leaked thread per stream. Putting the
-    end marker in first lets that thread finish; the cancel then ends the call at once."""
-    stream = getattr(client, "_stream", None)
-    queue = getattr(stream, "_request_queue", None)
-    if queue is not None:
-        queue.put(None)
-
-
-def _tensor(name: str, value: Any, datatype: str, dtype: Any) -> InferInput:
-    arr = np.asarray(value, dtype=dtype)
-    arr = arr.reshape(1, *arr.shape) if arr.ndim else arr.reshape(1, 1)
-    t = InferInput(name, list(arr.shape), datatype)
-    t.set_data_from_numpy(arr)
-    return t
-
-
-# TensorRT-LLM's sampling field -> (the input of each Triton model, datatype, numpy type)
-_SAMPLING_INPUTS = {
-    "seed": ({"tensorrt_llm": "seed", "ensemble": "seed"}, "UINT64", np.uint64),
-    "top_k": ({"tensorrt_llm": "runtime_top_k", "ensemble": "top_k"}, "INT32", np.int32),
-    "top_p": ({"tensorrt_llm": "runtime_top_p", "ensemble": "top_p"}, "FP32", np.float32),
-    "temperature": ({"tensorrt_llm": "temperature", "ensemble": "temperature"}, "FP32", np.float32),
-    "min_tokens": ({"tensorrt_llm": "min_tokens", "ensemble": "min_tokens"}, "INT32", np.int32),
-    "repetition_penalty": (
-        {"tensorrt_llm": "repetition_penalty", "ensemble": "repetition_penalty"},
-        "FP32",
-        np.float32,
-    ),
-    "presence_penalty": ({"tensorrt_llm": "presence_penalty", "ensemble": "presence_penalty"}, "FP32", np.float32),
-    "frequency_penalty": ({"tensorrt_llm": "frequency_penalty", "ensemble": "frequency_penalty"}, "FP32", np.float32),
-}
-
-
-def sampling_tensors(p: SamplingParams, model: str) -> list[InferInput]:
-    """Sampling and stopping as TensorRT-LLM reads them (remote.sampling_values), as the given model's inputs
-    (min_p has none: refused before)."""
-    out = []
-    for name, value in sampling_values(p).items():
-        inputs, datatype, dtype = _SAMPLING_INPUTS[name]
-        out.append(_tensor(inputs[model], value, datatype, dtype))
-    return out
 
 
 @dataclass
@@ -328,9 +272,9 @@ class TritonBackend(BackendRuntime):
         try:
             if self.model == "ensemble":
                 text = await asyncio.get_running_loop().run_in_executor(self._prompt_pool, self._prompt_text, live.gen)
-                inputs = self._ensemble_inputs(live.gen, text)
+                inputs = ensemble_inputs(live.gen, text)
             else:
-                inputs = self._token_inputs(live.gen)
+                inputs = token_inputs(live.gen, self.end_ids)
             self._send(live, inputs)
         except BaseException:
             self._forget(live)
@@ -348,40 +292,6 @@ class TritonBackend(BackendRuntime):
                 "text; use --triton-model tensorrt_llm for token-level prompts"
             )
         return text
-
-    def _token_inputs(self, gen: GenerateRequest) -> list[InferInput]:
-        p, ids = gen.sampling, list(gen.prompt_token_ids)
-        inputs = [
-            _tensor("input_ids", ids, "INT32", np.int32),
-            _tensor("input_lengths", len(ids), "INT32", np.int32),
-            _tensor("request_output_len", p.max_tokens, "INT32", np.int32),
-            _tensor("streaming", True, "BOOL", np.bool_),
-            _tensor("end_id", self.end_ids.end_id_for(p), "INT32", np.int32),
-            _tensor("pad_id", self.end_ids.pad_id, "INT32", np.int32),
-            _tensor("exclude_input_in_output", True, "BOOL", np.bool_),
-            _tensor("return_perf_metrics", True, "BOOL", np.bool_),
-            *sampling_tensors(p, "tensorrt_llm"),
-        ]
-        words = self.end_ids.stop_words(p)
-        if words:  # single-token stop words: ids, then cumulative end offsets
-            inputs.append(_tensor("stop_words_list", [words, list(range(1, len(words) + 1))], "INT32", np.int32))
-        return inputs
-
-    def _ensemble_inputs(self, gen: GenerateRequest, text: str) -> list[InferInput]:
-        p = gen.sampling
-        inputs = [
-            _tensor("text_input", np.array([text.encode()], dtype=np.object_), "BYTES", np.object_),
-            _tensor("max_tokens", p.max_tokens, "INT32", np.int32),
-            _tensor("stream", True, "BOOL", np.bool_),
-            _tensor("exclude_input_in_output", True, "BOOL", np.bool_),
-            _tensor("return_perf_metrics", True, "BOOL", np.bool_),
-            _tensor("return_num_input_tokens", True, "BOOL", np.bool_),
-            _tensor("return_num_output_tokens", True, "BOOL", np.bool_),
-            *sampling_tensors(p, "ensemble"),
-        ]
-        if p.ignore_eos:
-            inputs.append(_tensor("end_id", -1, "INT32", np.int32))
-        return inputs
 
     def _client(self) -> InferenceServerClient:
         with self._lock:
@@ -474,21 +384,14 @@ class TritonBackend(BackendRuntime):
                 self._observer.on_gauges(self.stats())
 
     def _output(self, live: _Live, result: Any, now: float) -> RequestOutput | None:
-        params = result.get_response().parameters
-        final = FINAL in params and params[FINAL].bool_param
+        final = is_final(result)
         stop: Stop | None = None  # ours: the stop rules of every backend (service/stops.py)
         accepted: list[int] = []
         if self.model == "tensorrt_llm":
-            raw, length = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
-            new = [] if raw is None else raw.reshape(-1).tolist()
-            if length is not None and new:
-                new = new[: int(length.reshape(-1)[0])]
-            accepted, stop = live.push(new, now, self.end_ids.eos)
+            accepted, stop = live.push(streamed_tokens(result), now, self.end_ids.eos)
             live.num_tokens = len(live.token_ids)
         else:
-            raw, count = result.as_numpy("text_output"), result.as_numpy("num_output_tokens")
-            piece = "" if raw is None else b"".join(raw.reshape(-1)).decode("utf-8", errors="replace")
-            n = int(count.reshape(-1)[0]) if count is not None else (1 if piece else 0)
+            piece, n = streamed_text(result)
             live.num_tokens += n
             live.token_times.extend([now] * n)  # one stamp per token, as TPOT counts tokens
             found = live.text.push_text(piece)
@@ -511,7 +414,7 @@ class TritonBackend(BackendRuntime):
             out.finished = True
             stop = stop or self._finish_reason(live)
             out.finish_reason, out.stop_reason = stop.finish_reason, stop.stop_reason
-            out.timing = live.timing(self._stamps(result), now, same_clock=False)
+            out.timing = live.timing(stamps(result), now, same_clock=False)
         return out
 
     def _finish_reason(self, live: _Live) -> Stop:
@@ -519,11 +422,3 @@ class TritonBackend(BackendRuntime):
         if live.num_tokens >= live.gen.sampling.max_tokens:
             return Stop("length")
         return Stop("stop")  # the server ended before max_tokens: at its end token
-
-    @staticmethod
-    def _stamps(result: Any) -> tuple[float, ...] | None:
-        """The server's *_time_ns outputs in seconds of its steady clock, or None when it returns none."""
-        stamps = [result.as_numpy(name) for name in PERF]
-        if any(s is None for s in stamps):
-            return None
-        return tuple(int(s.reshape(-1)[0]) / 1e9 for s in stamps)
