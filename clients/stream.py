@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 
@@ -49,8 +50,16 @@ def run(args: argparse.Namespace) -> int:
         token_times: list[float] = []
         token_ids: list[int] = []
         complete = None
+        call = stub.Generate(request, timeout=args.deadline, metadata=call_metadata(args))
+        interrupted: list[int] = []
+
+        def on_sigint(signum: int, frame: object) -> None:  # Ctrl-C cancels the call; the loop below ends
+            interrupted.append(signum)
+            call.cancel()
+
+        previous = signal.signal(signal.SIGINT, on_sigint)
         try:
-            for resp in stub.Generate(request, timeout=args.deadline, metadata=call_metadata(args)):
+            for resp in call:
                 now = time.perf_counter()
                 if resp.HasField("chunk"):
                     ids = list(resp.chunk.token_ids)
@@ -70,8 +79,13 @@ def run(args: argparse.Namespace) -> int:
         except grpc.RpcError as err:
             if not args.json:
                 print(file=sys.stderr)
+            if interrupted:
+                print("interrupted", file=sys.stderr)
+                return 130
             print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
+        finally:
+            signal.signal(signal.SIGINT, previous)
     summary = client_timing(start, token_times)
     if args.json:
         done = MessageToDict(complete, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
@@ -107,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return run(args)
-    except KeyboardInterrupt:  # Ctrl-C: the call is cancelled with the channel; no traceback
+    except KeyboardInterrupt:  # Ctrl-C outside the call (connecting, printing): no traceback either
         print("\ninterrupted", file=sys.stderr)
         return 130
 

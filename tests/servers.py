@@ -104,6 +104,13 @@ class ServerThread:
     def stub(self) -> llm_pb2_grpc.LLMServiceStub:
         return llm_pb2_grpc.LLMServiceStub(self.channel())
 
+    def finished(self, code: str) -> float:
+        """llm_requests_total{code}: the requests that ended with this status code (0 before the first)."""
+        try:
+            return self.metric("llm_requests_total", f'code="{code}"')
+        except KeyError:
+            return 0.0
+
     def metric(self, name: str, labels: str = "") -> float:
         """One sample of the Prometheus exposition, scraped over HTTP."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.server.metrics_port}/metrics", timeout=5).read().decode()

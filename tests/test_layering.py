@@ -93,12 +93,14 @@ def test_engine_imports_no_front_door_or_backend() -> None:
 
 
 def test_front_doors_import_the_edge_not_each_other() -> None:
-    """The Triton door (service/api/triton/) and the llm.v1 door (service/api/servicer.py) share service/api/edge.py
-    and the modules around it; neither imports the other, and the edge imports neither."""
+    """The Triton door (service/api/triton/) and the llm.v1 door (service/api/llm/) share service/api/edge.py and
+    the modules around it; neither imports the other, the edge imports neither, and only the Triton door's
+    field mappings see tritonclient while only the llm.v1 door's see llm.v1's protobufs."""
     triton = _loaded_by_each("service.api.triton")
     assert "service.api.triton.servicer" in triton and "service.api.edge" in set().union(*triton.values())
-    assert not _offenders(triton, "service.api.servicer", "service.api.server")
-    llm = _loaded_after("service.api.servicer")
-    assert "service.api.edge" in llm and not {m for m in llm if m.startswith("service.api.triton")}
+    assert not _offenders(triton, "service.api.llm", "service.api.server", "protos")
+    llm = _loaded_by_each("service.api.llm")
+    assert "service.api.llm.servicer" in llm and "service.api.edge" in set().union(*llm.values())
+    assert not _offenders(llm, "service.api.triton", "service.api.server", "tritonclient")
     edge = _loaded_after("service.api.edge")
-    assert not {m for m in edge if m == "service.api.servicer" or m.startswith("service.api.triton")}
+    assert not {m for m in edge if m.startswith(("service.api.llm", "service.api.triton", "protos", "tritonclient"))}

@@ -213,16 +213,9 @@ def test_a_busy_port_is_refused(engine_dir: Path) -> None:
 # ---- 6. final status codes: deadlines, and streams cut by the drain timeout ----------------------------------------
 
 
-def _count(server: ServerThread, code: str) -> float:
-    try:
-        return server.metric("llm_requests_total", f'code="{code}"')
-    except KeyError:
-        return 0.0
-
-
 def test_deadlines_are_counted_as_deadline_exceeded(server: ServerThread) -> None:
     stub = server.stub()
-    before = {c: _count(server, c) for c in ("CANCELLED", "DEADLINE_EXCEEDED")}
+    before = {c: server.finished(c) for c in ("CANCELLED", "DEADLINE_EXCEEDED")}
 
     def one(i: int) -> grpc.StatusCode:
         try:
@@ -236,11 +229,11 @@ def test_deadlines_are_counted_as_deadline_exceeded(server: ServerThread) -> Non
         codes = list(pool.map(one, range(16)))
     assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 16
     wait_until(
-        lambda: _count(server, "DEADLINE_EXCEEDED") - before["DEADLINE_EXCEEDED"] >= 16,
+        lambda: server.finished("DEADLINE_EXCEEDED") - before["DEADLINE_EXCEEDED"] >= 16,
         "deadlines counted as DEADLINE_EXCEEDED",
     )
-    assert _count(server, "DEADLINE_EXCEEDED") - before["DEADLINE_EXCEEDED"] == 16
-    assert _count(server, "CANCELLED") == before["CANCELLED"]
+    assert server.finished("DEADLINE_EXCEEDED") - before["DEADLINE_EXCEEDED"] == 16
+    assert server.finished("CANCELLED") == before["CANCELLED"]
     _wait_idle(server)
 
 
@@ -300,7 +293,7 @@ def test_ctrl_c_of_the_stream_client_prints_no_traceback(engine_dir: Path) -> No
             pass
         paced.hold()  # still streaming when the signal comes
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-        assert proc.returncode == 130 and "Traceback" not in err and err.strip() == "interrupted"
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130 and "Traceback" not in err and err.strip() == "interrupted", err
         paced.release()
         _wait_idle(srv)  # the cancelled call's request was aborted

@@ -207,16 +207,9 @@ def test_invalid_utf8_and_garbage_bytes(server: ServerThread) -> None:
     )
 
 
-def _count(server: ServerThread, code: str) -> float:
-    try:
-        return server.metric("llm_requests_total", f'code="{code}"')
-    except KeyError:
-        return 0.0
-
-
 def test_cancellations_and_deadlines_free_everything(server: ServerThread) -> None:
     stub = server.stub()
-    before = {c: _count(server, c) for c in ("CANCELLED", "DEADLINE_EXCEEDED", "OK")}
+    before = {c: server.finished(c) for c in ("CANCELLED", "DEADLINE_EXCEEDED", "OK")}
     rng = random.Random(0)
 
     def one(i: int) -> grpc.StatusCode:
@@ -240,7 +233,7 @@ def test_cancellations_and_deadlines_free_everything(server: ServerThread) -> No
     assert codes.count(grpc.StatusCode.CANCELLED) == 50
     assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) == 50
     assert _idle(server), "KV blocks or requests left behind"
-    recorded = {c: _count(server, c) - before[c] for c in before}
+    recorded = {c: server.finished(c) - before[c] for c in before}
     assert recorded["OK"] == 0  # none of them ran to completion
     # a cancel that arrives before the handler starts never reaches the servicer, so these are lower bounds
     assert recorded["CANCELLED"] >= 25 and recorded["DEADLINE_EXCEEDED"] >= 25

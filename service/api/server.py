@@ -23,8 +23,8 @@ from protos.llm.v1 import llm_pb2
 from service.api.edge import Edge
 from service.api.health import DrainingHealthServicer
 from service.api.interceptors import AuthInterceptor, read_tokens
+from service.api.llm.servicer import LLMServicer
 from service.api.metrics import ServiceMetrics
-from service.api.servicer import LLMServicer
 from service.api.validation import transport_limit
 from service.backends import load_backend
 from service.backends.base import Backend

@@ -14,11 +14,13 @@ from collections.abc import AsyncIterator
 import grpc
 
 from protos.llm.v1 import llm_pb2
-from service.api import interceptors, validation
+from service.api import interceptors
 from service.api.edge import Edge
+from service.api.llm import convert
+from service.api.llm.convert import PromptInput, check_fields, prompt_ids, prompt_input
 from service.api.metrics import ServiceMetrics
 from service.api.status import unary_errors
-from service.api.validation import PromptInput, TextLimits, check_fields, prompt_ids, prompt_input
+from service.api.validation import TextLimits
 from service.backends.base import Backend, BackendInfo
 from service.errors import DeadlineExceeded, InvalidRequest, ServerShutdown
 from service.request import GenerateRequest, RequestOutput
@@ -79,7 +81,7 @@ class LLMServicer:
 
     async def _to_domain(self, req: llm_pb2.GenerateRequest, backend: Backend, peer: str) -> GenerateRequest:
         request_id, sampling = check_fields(req)  # cheap checks first
-        salt = interceptors.cache_salt(validation.cache_salt(req))
+        salt = interceptors.cache_salt(convert.cache_salt(req))
         backend.check_capacity()  # do not tokenize what the queue would refuse anyway
         limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
         prompt = prompt_input(req, limits)
