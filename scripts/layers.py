@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
     drawn = picture()
     if "--check" in argv:
         if documented() != drawn:
-            print(f"{DOC.relative_to(ROOT)}'s layer picture differs from the code's imports; paste this in:\n{drawn}")
+            print(f"{DOC.name}'s layer picture differs from the code's imports; paste this in:\n{drawn}")
             return 1
         return 0
     print(drawn)

@@ -5,7 +5,8 @@ at the request level, not at the model runner: a backend takes a checked Generat
 stream of RequestOutput deltas (token ids, text, and on the last one the finish reason, usage and Timing),
 keyed by ids of its own. Everything below this line is backend-specific; everything above (validation,
 status codes, metrics, auth, drain) is shared. Admission, health and the failure policy are implemented
-once, in service/runtime.py, which the backends build on.
+once, in service/backends/runtime.py, which the backends build on (and what the two remote backends share in
+service/backends/remote.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """EngineCore: the one place where the scheduler, the KV cache manager and the model runner meet.
 
-Synchronous and single-threaded: no asyncio, no protobuf. AsyncEngine drives it from a background thread;
+Synchronous and single-threaded: no asyncio, no protobuf. NativeBackend (service/backends/native.py) drives it from a thread;
 the offline CLI and the tests drive it directly.
 """
 
@@ -93,7 +93,7 @@ class EngineCore:
         check_request(gen.prompt_token_ids, gen.sampling, self.limits)
 
     def add_request(self, gen: GenerateRequest, arrival_time: float | None = None) -> Request:
-        """Check and queue a request under its own id (offline use; AsyncEngine checks, then enqueues)."""
+        """Check and queue a request under its own id (offline use; NativeBackend checks, then enqueues)."""
         self.check(gen)
         return self.enqueue(gen, gen.request_id, arrival_time)
 
