@@ -47,5 +47,9 @@ class Unsupported(Exception):
     decoupled Triton model."""
 
 
+class StreamStalled(Exception):
+    """The stream's client took no response for --stream-stall-timeout seconds: the stream was ended (ABORTED)."""
+
+
 class ServerShutdown(Exception):
     """The drain timeout ended the request (UNAVAILABLE before any output, ABORTED after some)."""

@@ -31,7 +31,7 @@ from service.api.tokenization import TokenizationGate
 from service.api.validation import TextLimits, parse
 from service.backends.base import Backend
 from service.config import ServerConfig
-from service.errors import EngineUnavailable, MessageTooLarge, Overloaded
+from service.errors import EngineUnavailable, MessageTooLarge, Overloaded, StreamStalled
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,11 +58,12 @@ class WriteWatch:
     """The writer side of one stream: `pending()` before handing a response to gRPC, `sent()` once it took it;
     `on_stall` (set by the handler) aborts the stream's requests in the backend when the edge ends it."""
 
-    __slots__ = ("context", "on_stall", "peer", "since", "stalled")
+    __slots__ = ("context", "message", "on_stall", "peer", "since", "stalled")
 
     def __init__(self, peer: str, context: grpc.aio.ServicerContext) -> None:
         self.peer = peer
         self.context = context
+        self.message = ""
         self.on_stall: Callable[[], None] | None = None
         self.since: float | None = None  # when the response now being written was handed over
         self.stalled = False  # the edge ended the stream for it
@@ -71,7 +72,11 @@ class WriteWatch:
         self.since = time.monotonic()
 
     def sent(self) -> None:
+        """gRPC took the response; StreamStalled if the edge has ended the stream meanwhile (the client read
+        again): the handler ends with ABORTED, the status going out after what was buffered."""
         self.since = None
+        if self.stalled:
+            raise StreamStalled(self.message)
 
 
 class Outcome:
@@ -114,7 +119,6 @@ class Edge:
         self.draining = False  # set on shutdown: new RPCs get UNAVAILABLE
         self.cut = False  # set at the drain timeout: streams still running end with ServerShutdown
         self._sweeper: asyncio.Task | None = None
-        self._ending: set[asyncio.Task] = set()
 
     # ---- requests ------------------------------------------------------------------------------------
     def ready(self) -> Backend:
@@ -239,23 +243,18 @@ class Edge:
             )
             self._writers.discard(watch)
             watch.stalled = True
-            # NOTE: abort() from outside the handler queues the status, which the client sees whenever it reads
-            # again (the handler's pending write then returns and gRPC closes it); on_stall aborts the stream's
-            # requests in the backend now. Cancelling the handler's task instead can leave the client waiting for
-            # a status that never comes.
-            task = asyncio.ensure_future(self._abort(watch))
-            self._ending.add(task)
-            task.add_done_callback(self._ending.discard)
+            # NOTE: the handler waits in gRPC's write of a response its client does not take: nothing can end
+            # that write from outside and still give the client a status (a cancel leaves it waiting for one;
+            # an abort from another task sometimes never sends it). So its requests are aborted in the backend
+            # now (on_stall), and the handler itself ends with ABORTED when the write returns (WriteWatch.sent).
+            watch.message = (
+                f"stream ended: its client took no response for {self.stall_timeout_s:.0f} s (--stream-stall-timeout)"
+            )
             if watch.on_stall is not None:
                 watch.on_stall()
             if self._on_stall is not None:
                 self._on_stall()
         return len(stalled)
-
-    async def _abort(self, watch: WriteWatch) -> None:
-        message = f"stream ended: its client took no response for {self.stall_timeout_s:.0f} s (--stream-stall-timeout)"
-        with contextlib.suppress(Exception):  # AbortError: the abort's own way of returning
-            await watch.context.abort(grpc.StatusCode.ABORTED, message)  # returns once the client reads
 
     def close(self) -> None:
         if self._sweeper is not None:

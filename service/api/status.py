@@ -18,6 +18,7 @@ from service.errors import (
     NotFound,
     Overloaded,
     ServerShutdown,
+    StreamStalled,
     Unsupported,
 )
 
@@ -33,6 +34,7 @@ _CODES = {
     EngineUnavailable: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     NotFound: grpc.StatusCode.NOT_FOUND,
+    StreamStalled: grpc.StatusCode.ABORTED,
     Unsupported: grpc.StatusCode.UNIMPLEMENTED,
 }
 

@@ -31,7 +31,7 @@ from service.api.triton.responses import Responder, Response, empty, error
 from service.api.triton.tensors import ResponseBuilder, decode_inputs
 from service.api.validation import REQUEST_ID, TextLimits, encode_text
 from service.backends.base import Backend
-from service.errors import InvalidRequest, ServerShutdown, Unsupported
+from service.errors import InvalidRequest, ServerShutdown, StreamStalled, Unsupported
 from service.request import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -204,7 +204,9 @@ class TritonInference:
                         return
                     writes.pending()  # a client that stops reading leaves this pending: the edge ends the stream
                     yield item
-                    writes.sent()
+                    writes.sent()  # StreamStalled once the edge has ended it
+        except StreamStalled as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
         finally:  # normal end, the client cancelled / went away, or stalled: abort whatever still runs
             reader.cancel()
             tasks = list(stream.tasks)
