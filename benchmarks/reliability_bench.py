@@ -446,7 +446,7 @@ def unread_figure(engine: str, stall_s: float = 10.0) -> tuple[str, str, str]:
         def request(i: int):
             req = service_pb2.ModelInferRequest(model_name="tensorrt_llm", id=f"u{i}")
             for name, dtype, value in (("input_ids", "INT32", [[5, 6, 7]]), ("input_lengths", "INT32", [[3]]),
-                                       ("request_output_len", "INT32", [[300]]), ("streaming", "BOOL", [[True]]),
+                                       ("request_output_len", "INT32", [[40]]), ("streaming", "BOOL", [[True]]),
                                        ("end_id", "INT32", [[-1]])):  # fmt: skip
                 arr = np.array(value, dtype=np.bool_ if dtype == "BOOL" else np.int32)
                 req.inputs.add(name=name, datatype=dtype, shape=list(arr.shape))
@@ -475,7 +475,7 @@ def unread_figure(engine: str, stall_s: float = 10.0) -> tuple[str, str, str]:
         blocks = read_metric(metrics, "llm_kv_cache_blocks_used")
     finally:
         stop_service(proc)
-    return (f"one Triton stream that never reads (40 x 300-token requests, a 1 KB HTTP/2 window), "
+    return (f"one Triton stream that never reads (40 x 40-token requests, a 1 KB HTTP/2 window), "
             f"--stream-stall-timeout {stall_s:.0f} s, another client's 16-token Generate in a loop",
             f"{len(latencies)} other Generates all OK (p50 {np.median(latencies) * 1e3:.0f} ms, max "
             f"{max(latencies) * 1e3:.0f} ms), health SERVING {serving}/{len(latencies)}; the stream held no slot "
