@@ -35,6 +35,12 @@ FATAL_DRAIN_S = 2.0  # after an engine failure, how long the failed streams get 
 EXIT_ENGINE_FAILED = 3  # the engine died (on_engine_error=exit): a supervisor should restart the process
 
 
+def _true_false(value: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return value.lower() == "true"
+
+
 @dataclass(frozen=True, slots=True)
 class Flag:
     name: str  # --flag
@@ -138,6 +144,14 @@ FLAGS = (
         "same backend, auth and TLS (-1: off; 0 picks a free port)",
         int,
         none_below_zero=True,
+    ),
+    Flag(
+        "--triton-decoupled",
+        "triton_decoupled",
+        "true|false: the Triton front door serves ensemble and tensorrt_llm decoupled (streaming over "
+        "ModelStreamInfer, as config.pbtxt's decoupled_mode true) or not (unary ModelInfer, as NVIDIA's "
+        "non-streaming tools expect); ensemble_sync and tensorrt_llm_sync are never decoupled",
+        _true_false,
     ),
     Flag("--triton-url", "backend.triton.url", "triton backend: HOST:PORT of the Triton server's gRPC endpoint"),
     Flag(

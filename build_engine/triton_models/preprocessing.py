@@ -8,7 +8,8 @@ gives them, and turns stop / bad words into TensorRT-LLM's word lists ([2, L]: i
 padded with 0 and -1).
 
 Inputs (config.pbtxt): QUERY, REQUEST_OUTPUT_LEN, STOP_WORDS_DICT, BAD_WORDS_DICT, END_ID, PAD_ID.
-Outputs: INPUT_ID, REQUEST_INPUT_LEN, REQUEST_OUTPUT_LEN, STOP_WORDS_IDS, BAD_WORDS_IDS, OUT_END_ID, OUT_PAD_ID.
+Outputs: INPUT_ID, DECODER_INPUT_ID ([[pad_id]]: decoder-only), REQUEST_INPUT_LEN, REQUEST_DECODER_INPUT_LEN,
+REQUEST_OUTPUT_LEN, STOP_WORDS_IDS, BAD_WORDS_IDS, OUT_END_ID, OUT_PAD_ID.
 """
 
 import json
@@ -41,7 +42,8 @@ class Preprocessor:
         return None if token is None else self.tokenizer.token_to_id(token)
 
     def encode(self, text):
-        return self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens).ids
+        # encode_batch releases the GIL (encode holds it for the whole call)
+        return self.tokenizer.encode_batch([text], add_special_tokens=self.add_special_tokens)[0].ids
 
     def word_list(self, rows):
         """[B, N] words (bytes) -> [B, 2, L] int32: each row's word ids concatenated, then their end offsets."""
@@ -82,7 +84,9 @@ class Preprocessor:
 
         return {
             "INPUT_ID": input_id,
+            "DECODER_INPUT_ID": np.full((batch, 1), self.pad_id, dtype=np.int32),  # decoder-only, as NVIDIA's
             "REQUEST_INPUT_LEN": np.array([[len(i)] for i in ids], dtype=np.int32),
+            "REQUEST_DECODER_INPUT_LEN": np.ones((batch, 1), dtype=np.int32),
             "REQUEST_OUTPUT_LEN": np.asarray(inputs["REQUEST_OUTPUT_LEN"], dtype=np.int32).reshape(batch, 1),
             "STOP_WORDS_IDS": self.word_list(inputs.get("STOP_WORDS_DICT", empty)),
             "BAD_WORDS_IDS": self.word_list(inputs.get("BAD_WORDS_DICT", empty)),

@@ -44,7 +44,6 @@ class ModelSpec:
     outputs: tuple[Tensor, ...]
     decoupled: bool = False
     steps: tuple[Step, ...] = ()
-    infers: bool = True  # the front door runs inference on it (the step models are described only)
     parameters: dict[str, str] = field(default_factory=dict)
 
     def input(self, name: str) -> Tensor | None:
@@ -72,11 +71,24 @@ def _f(name: str, **kw) -> Tensor:
 
 PERF_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
 COUNT_OUTPUTS = ("num_input_tokens", "num_output_tokens")
+KV_CACHE_OUTPUTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
+DRAFT_OUTPUTS = ("total_accepted_draft_tokens", "total_draft_tokens")  # with acceptance_rate: no drafts yet, 0
+# what return_perf_metrics adds to the final response (TensorRT-LLM's RequestPerfMetrics: timing, KV cache,
+# speculative decoding)
+PERF_METRICS_OUTPUTS = (*PERF_OUTPUTS, *KV_CACHE_OUTPUTS, "acceptance_rate", *DRAFT_OUTPUTS)
+LOG_PROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
 
 # ---- tensorrt_llm: token ids in, token ids out (TensorRT-LLM's C++ backend) -------------------------------------
 _T = {"scalar": True}
 TENSORRT_LLM_INPUTS = (
     _i("input_ids", dims=(-1,), ragged=True, note="required by the front door (as by TensorRT-LLM's model.py)"),
+    _i(
+        "decoder_input_ids",
+        dims=(-1,),
+        ragged=True,
+        note="ignored: a decoder-only model (NVIDIA's preprocessing sends [[pad_id]])",
+    ),
+    _i("decoder_input_lengths", **{"scalar": True}, note="ignored, as decoder_input_ids"),
     _i("input_lengths", optional=False, **_T, note="the prompt is input_ids[:input_lengths]"),
     _i("request_output_len", optional=False, **_T),
     _i("end_id", **_T, note="the end token; -1 or absent: none (generate request_output_len tokens)"),
@@ -100,7 +112,7 @@ TENSORRT_LLM_INPUTS = (
     _f("presence_penalty", **_T),
     _f("frequency_penalty", **_T),
     Tensor("seed", "UINT64", **_T),
-    _b("return_log_probs", **_T, note="false only"),
+    _b("return_log_probs", **_T, note="cum_log_probs and output_log_probs (the model's raw distribution)"),
     _b("return_context_logits", **_T, note="false only"),
     _b("return_generation_logits", **_T, note="false only"),
     _b("return_perf_metrics", **_T),
@@ -114,20 +126,17 @@ TENSORRT_LLM_INPUTS = (
 TENSORRT_LLM_OUTPUTS = (
     _i("output_ids", dims=(-1, -1)),
     _i("sequence_length", dims=(-1,)),
-    _f("cum_log_probs", dims=(-1,), served=False),
-    _f("output_log_probs", dims=(-1, -1), served=False),
+    _f("cum_log_probs", dims=(-1,)),
+    _f("output_log_probs", dims=(-1, -1)),
     _f("context_logits", dims=(-1, -1), served=False),
     _f("generation_logits", dims=(-1, -1, -1), served=False),
-    _i("batch_index", served=False),
-    _i("sequence_index", served=False),
+    _i("batch_index"),
+    _i("sequence_index"),
     Tensor("context_phase_params", "UINT8", dims=(-1,), served=False),
-    _i("kv_cache_alloc_new_blocks", served=False),
-    _i("kv_cache_reused_blocks", served=False),
-    _i("kv_cache_alloc_total_blocks", served=False),
+    *(_i(name) for name in KV_CACHE_OUTPUTS),
     *(Tensor(name, "INT64") for name in PERF_OUTPUTS),
-    _f("acceptance_rate", served=False),
-    _i("total_accepted_draft_tokens", served=False),
-    _i("total_draft_tokens", served=False),
+    _f("acceptance_rate"),
+    *(_i(name) for name in DRAFT_OUTPUTS),
     *(_i(name) for name in COUNT_OUTPUTS),
 )
 
@@ -148,7 +157,7 @@ ENSEMBLE_INPUTS = (
     _f("presence_penalty"),
     _f("frequency_penalty"),
     Tensor("seed", "UINT64"),
-    _b("return_log_probs", note="false only"),
+    _b("return_log_probs", note="cum_log_probs and output_log_probs"),
     _b("return_context_logits", note="false only"),
     _b("return_generation_logits", note="false only"),
     _b("return_perf_metrics"),
@@ -160,8 +169,17 @@ ENSEMBLE_INPUTS = (
     _b("stream"),
 )
 ENSEMBLE_OUTPUTS = (
-    Tensor("text_output", "BYTES", dims=(-1,)),
+    Tensor("text_output", "BYTES", dims=(-1,), note="[batch x beams] (NVIDIA's postprocessing: one flat array)"),
+    _f("cum_log_probs", dims=(-1,)),
+    _f("output_log_probs", dims=(-1, -1)),
+    _f("context_logits", dims=(-1, -1), served=False),
+    _f("generation_logits", dims=(-1, -1, -1), served=False),
+    _i("batch_index"),
+    _i("sequence_index"),
+    *(_i(name) for name in KV_CACHE_OUTPUTS),
     *(Tensor(name, "INT64") for name in PERF_OUTPUTS),
+    _f("acceptance_rate"),
+    *(_i(name) for name in DRAFT_OUTPUTS),
     *(_i(name) for name in COUNT_OUTPUTS),
 )
 
@@ -176,7 +194,9 @@ PREPROCESSING_INPUTS = (
 )
 PREPROCESSING_OUTPUTS = (
     _i("INPUT_ID", dims=(-1,)),
+    _i("DECODER_INPUT_ID", dims=(-1,), note="[[pad_id]]: a decoder-only model (as NVIDIA's preprocessing)"),
     _i("REQUEST_INPUT_LEN"),
+    _i("REQUEST_DECODER_INPUT_LEN"),
     _i("REQUEST_OUTPUT_LEN"),
     _i("BAD_WORDS_IDS", dims=(2, -1)),
     _i("STOP_WORDS_IDS", dims=(2, -1)),
@@ -215,7 +235,7 @@ def _steps(llm_model: str) -> tuple[Step, ...]:
         "bad_words_list": "_BAD_WORDS_IDS", **{dst: src for src, dst in _DIRECT},
     }  # fmt: skip
     llm_out = {"output_ids": "_TOKENS_BATCH", "sequence_length": "_SEQUENCE_LENGTH"}
-    llm_out.update({name: name for name in (*PERF_OUTPUTS, *COUNT_OUTPUTS)})
+    llm_out.update({t.name: t.name for t in ENSEMBLE_OUTPUTS if t.served and t.name != "text_output"})
     post = Step(
         "postprocessing",
         {"TOKENS_BATCH": "_TOKENS_BATCH", "SEQUENCE_LENGTH": "_SEQUENCE_LENGTH"},
@@ -224,7 +244,10 @@ def _steps(llm_model: str) -> tuple[Step, ...]:
     return (pre, Step(llm_model, llm_in, llm_out), post)
 
 
-def _models() -> dict[str, ModelSpec]:
+def models(decoupled: bool = True) -> dict[str, ModelSpec]:
+    """The models by name; `decoupled` is the transaction policy a deployment chooses for the canonical
+    `ensemble` and `tensorrt_llm` (TensorRT-LLM's `decoupled_mode`); the `_sync` twins are never decoupled."""
+
     def ensemble(name: str, llm_model: str, decoupled: bool) -> ModelSpec:
         return ModelSpec(name, "ensemble", "ensemble", ENSEMBLE_INPUTS, ENSEMBLE_OUTPUTS, decoupled, _steps(llm_model))
 
@@ -232,19 +255,64 @@ def _models() -> dict[str, ModelSpec]:
         return ModelSpec(name, "tensorrt_llm", "tensorrtllm", TENSORRT_LLM_INPUTS, TENSORRT_LLM_OUTPUTS, decoupled)
 
     specs = (
-        ensemble("ensemble", "tensorrt_llm", True),
+        ensemble("ensemble", "tensorrt_llm", decoupled),
         ensemble("ensemble_sync", "tensorrt_llm_sync", False),  # the unary (ModelInfer) twin
-        trtllm("tensorrt_llm", True),
+        trtllm("tensorrt_llm", decoupled),
         trtllm("tensorrt_llm_sync", False),
-        ModelSpec(
-            "preprocessing", "preprocessing", "python", PREPROCESSING_INPUTS, PREPROCESSING_OUTPUTS, infers=False
-        ),
-        ModelSpec(
-            "postprocessing", "postprocessing", "python", POSTPROCESSING_INPUTS, POSTPROCESSING_OUTPUTS, infers=False
-        ),
+        ModelSpec("preprocessing", "preprocessing", "python", PREPROCESSING_INPUTS, PREPROCESSING_OUTPUTS),
+        ModelSpec("postprocessing", "postprocessing", "python", POSTPROCESSING_INPUTS, POSTPROCESSING_OUTPUTS),
     )
     return {s.name: s for s in specs}
 
 
-MODELS: dict[str, ModelSpec] = _models()
+MODELS: dict[str, ModelSpec] = models()
 MODEL_VERSION = "1"
+
+# Tensors of the 1.2-era models (TensorRT-LLM triton_backend/all_models/inflight_batcher_llm/*/config.pbtxt) the
+# front door refuses, by model kind, with the reason its INVALID_ARGUMENT gives. (Tensors in the tables above
+# with served=False are refused with their note.)
+_SPECULATIVE = "speculative decoding inputs are not supported yet"
+_LORA = "LoRA adapters are not supported"
+_PROMPT_TABLE = "prompt tuning / multimodal embeddings are not supported"
+_ENCODER = "this is a decoder-only model (no encoder)"
+_GUIDED = "guided decoding is not supported yet"
+REFUSED: dict[str, dict[str, str]] = {
+    "tensorrt_llm": {
+        "encoder_input_features": _ENCODER, "encoder_output_lengths": _ENCODER, "cross_attention_mask": _ENCODER,
+        "skip_cross_attn_blocks": _ENCODER, "draft_input_ids": _SPECULATIVE, "draft_logits": _SPECULATIVE,
+        "draft_acceptance_threshold": _SPECULATIVE, "lookahead_window_size": _SPECULATIVE,
+        "lookahead_ngram_size": _SPECULATIVE, "lookahead_verification_set_size": _SPECULATIVE,
+        "prompt_embedding_table": _PROMPT_TABLE, "prompt_table_extra_ids": _PROMPT_TABLE,
+        "prompt_vocab_size": _PROMPT_TABLE, "mrope_rotary_cos_sin": _PROMPT_TABLE,
+        "mrope_position_deltas": _PROMPT_TABLE, "lora_task_id": _LORA, "lora_weights": _LORA, "lora_config": _LORA,
+        "context_phase_params": "disaggregated serving (context / generation phases) is not supported",
+        "retention_token_range_starts": "KV cache retention priorities are not supported",
+        "retention_token_range_ends": "KV cache retention priorities are not supported",
+        "retention_token_range_priorities": "KV cache retention priorities are not supported",
+        "retention_token_range_durations_ms": "KV cache retention priorities are not supported",
+        "retention_decode_priority": "KV cache retention priorities are not supported",
+        "retention_decode_duration_ms": "KV cache retention priorities are not supported",
+        "guided_decoding_guide_type": _GUIDED, "guided_decoding_guide": _GUIDED,
+        "embedding_bias": "embedding bias is not supported", "runtime_top_p_min": "top-p decay is not supported",
+        "runtime_top_p_decay": "top-p decay is not supported", "runtime_top_p_reset_ids": "top-p decay is not "
+        "supported", "early_stopping": "beam search is not supported (beam_width 1 only)",
+        "beam_search_diversity_rate": "beam search is not supported (beam_width 1 only)",
+        "return_kv_cache_reuse_stats": "not an input of the 1.x models: return_perf_metrics returns the "
+        "kv_cache_* outputs",
+    },
+    "ensemble": {
+        "decoder_text_input": _ENCODER, "prompt_embedding_table": _PROMPT_TABLE,
+        "prompt_table_extra_id": _PROMPT_TABLE, "prompt_vocab_size": _PROMPT_TABLE,
+        "embedding_bias_words": "embedding bias is not supported", "embedding_bias_weights":
+        "embedding bias is not supported", "lora_task_id": _LORA, "lora_weights": _LORA, "lora_config": _LORA,
+        "guided_decoding_guide_type": _GUIDED, "guided_decoding_guide": _GUIDED, "num_draft_tokens": _SPECULATIVE,
+        "use_draft_logits": _SPECULATIVE,
+        "return_kv_cache_reuse_stats": "not an input of the 1.x models: return_perf_metrics returns the "
+        "kv_cache_* outputs",
+    },
+    "preprocessing": {
+        "DECODER_QUERY": _ENCODER, "IMAGE_BYTES": _PROMPT_TABLE, "IMAGE_URL": _PROMPT_TABLE,
+        "VIDEO_BYTES": _PROMPT_TABLE, "EMBEDDING_BIAS_WORDS": "embedding bias is not supported",
+        "EMBEDDING_BIAS_WEIGHTS": "embedding bias is not supported", "PROMPT_TABLE_EXTRA_ID": _PROMPT_TABLE,
+    },
+}  # fmt: skip

@@ -142,7 +142,10 @@ class LLMServer:
     def _triton_servicer(self):
         from service.api.triton.servicer import TritonServicer  # tritonclient: only with --triton-port
 
-        self.triton_servicer = TritonServicer(self.edge, self.metrics, self.cfg.max_requests_per_stream)
+        cfg = self.cfg
+        self.triton_servicer = TritonServicer(
+            self.edge, self.metrics, cfg.max_requests_per_stream, cfg.backend.engine_dir, cfg.triton_decoupled
+        )
         return self.triton_servicer
 
     def _ports(self) -> list[tuple[str, int, str]]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from build_engine.triton_models.tables import COUNT_OUTPUTS, PERF_OUTPUTS, ModelSpec
+from build_engine.triton_models.tables import COUNT_OUTPUTS, LOG_PROB_OUTPUTS, PERF_METRICS_OUTPUTS, ModelSpec
 from service.api.triton.tensors import scalar
 from service.backends.base import BackendInfo
 from service.errors import InvalidRequest
@@ -22,15 +22,15 @@ from service.request import MAX_STOP_STRINGS, SamplingParams
 
 # domain field names (SamplingParams / admission messages) -> the tensor names of each model
 _RENAMES = {
-    "ensemble": {"each stop string": "each stop_words element", "stop": "stop_words"},
+    "ensemble": {"each stop string": "each stop_words element", "stop": "stop_words", "logprobs": "return_log_probs"},
     "tensorrt_llm": {
         "max_tokens": "request_output_len", "top_k": "runtime_top_k", "top_p": "runtime_top_p",
         "prompt_token_ids.ids": "input_ids", "stopping.stop_token_ids": "stop_words_list",
+        "logprobs": "return_log_probs",
     },
 }  # fmt: skip
 _DEFAULT_ONLY = {  # accepted only at the value that means "off" (anything else is refused by name)
-    "beam_width": 1, "num_return_sequences": 1, "return_log_probs": False, "return_context_logits": False,
-    "return_generation_logits": False,
+    "beam_width": 1, "num_return_sequences": 1, "return_context_logits": False, "return_generation_logits": False,
 }  # fmt: skip
 
 
@@ -104,6 +104,8 @@ def _sampling(model: ModelSpec, tensors: dict[str, np.ndarray], max_tokens: int,
     seed = _num(tensors, "seed", int)
     if seed is not None:
         values["seed"] = seed
+    if scalar(tensors, "return_log_probs"):
+        values["logprobs"] = 0  # the chosen token's log-probability (TensorRT-LLM's output_log_probs)
     end_id = _num(tensors, "end_id", int)
     if model.kind == "tensorrt_llm" and end_id is None:
         end_id = -1  # TensorRT-LLM's own model: no end_id, no end token (the ensemble's preprocessing fills it)
@@ -199,12 +201,19 @@ def _outputs(model: ModelSpec, tensors: dict[str, np.ndarray], requested: list[s
     """What to return: the named outputs, or (none named) the main one plus what the return_* flags ask."""
     for name in requested:
         spec = model.output(name)
-        if spec is None or not spec.served:
+        if spec is None:
             raise InvalidRequest(f"unexpected inference output '{name}' for model '{model.name}'")
+        if not spec.served:
+            raise InvalidRequest(
+                f"output '{name}' of model '{model.name}' is not supported by this server (logits are not returned)"
+            )
     main = ("text_output",) if model.kind == "ensemble" else ("output_ids", "sequence_length")
     produced = set(main)
     if scalar(tensors, "return_perf_metrics"):
-        produced.update(PERF_OUTPUTS)
+        produced.update(PERF_METRICS_OUTPUTS)
+    if scalar(tensors, "return_log_probs"):
+        produced.update(LOG_PROB_OUTPUTS)
+    produced.update({"batch_index", "sequence_index"} & set(requested))  # always 0: one sequence per request
     if scalar(tensors, "return_num_input_tokens"):
         produced.add(COUNT_OUTPUTS[0])
     if scalar(tensors, "return_num_output_tokens"):

@@ -20,14 +20,15 @@ from dataclasses import dataclass, field
 import grpc
 from tritonclient.grpc import service_pb2
 
-from build_engine.triton_models.tables import MODEL_VERSION, MODELS
+from build_engine.triton_models.tables import MODEL_VERSION
 from service.api.edge import Edge, Outcome, Slot
 from service.api.interceptors import cache_salt
 from service.api.metrics import ServiceMetrics
 from service.api.status import status_for
 from service.api.triton.convert import TritonCall, tensor_names, to_call
-from service.api.triton.metadata import Statistics, find_model
+from service.api.triton.metadata import Models, Statistics
 from service.api.triton.responses import Responder, Response, empty, error
+from service.api.triton.steps import Steps
 from service.api.triton.tensors import ResponseBuilder, decode_inputs
 from service.api.validation import REQUEST_ID, TextLimits, encode_text
 from service.backends.base import Backend
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 EMPTY_FINAL = "triton_enable_empty_final_response"
 MAX_ID_BYTES = 1024  # a KServe request id is echoed in every response: bound it
 STREAM_BUFFER = 16  # responses waiting to be written per stream; beyond, its requests' deltas merge instead
+STEP_KINDS = ("preprocessing", "postprocessing")
 DECOUPLED_INFER = "ModelInfer RPC doesn't support models with decoupled transaction policy"  # Triton's words
 
 
@@ -60,8 +62,13 @@ class _Stream:
 
 
 class TritonInference:
-    def __init__(self, edge: Edge, metrics: ServiceMetrics, statistics: Statistics, max_requests_per_stream: int):
+    def __init__(
+        self, edge: Edge, metrics: ServiceMetrics, statistics: Statistics, max_requests_per_stream: int,
+        models: Models, steps: Steps,
+    ) -> None:  # fmt: skip
         self.edge = edge
+        self.models = models
+        self.steps = steps
         self.metrics = metrics
         self.statistics = statistics
         self.max_requests_per_stream = max_requests_per_stream
@@ -72,19 +79,14 @@ class TritonInference:
         self._draining.set()
 
     def _finished(self, model: str, code: grpc.StatusCode, started_ns: int) -> None:
-        self.metrics.triton_request_finished(model if model in MODELS else "(unknown)", code.name)
+        self.metrics.triton_request_finished(model if model in self.models.specs else "(unknown)", code.name)
         self.statistics.record(model, code, started_ns)
 
     # ---- inference ---------------------------------------------------------------------------------------------
     async def _prepare(self, req: service_pb2.ModelInferRequest) -> tuple[TritonCall, Backend, bool]:
         """Model, readiness, tensors and values checked: the call, its backend, and whether an empty final
         response was asked for."""
-        spec = find_model(req.model_name, req.model_version)
-        if not spec.infers:
-            raise Unsupported(
-                f"model '{spec.name}' is a step of 'ensemble', described for tools that read every step; send "
-                f"inference requests to 'ensemble' or 'tensorrt_llm'"
-            )
+        spec = self.models.find(req.model_name, req.model_version)
         backend = self.edge.ready()
         if len(req.id.encode()) > MAX_ID_BYTES:
             raise InvalidRequest(f"the request id is longer than {MAX_ID_BYTES} bytes")
@@ -118,7 +120,9 @@ class TritonInference:
         ids = await self._prompt_ids(call, backend, slot.peer)
         request_id = call.client_id if REQUEST_ID.fullmatch(call.client_id) else f"triton-{uuid.uuid4().hex}"
         gen = GenerateRequest(request_id, ids, call.sampling, cache_salt=cache_salt())  # the tenant's, if any
-        progress.responder = responder = Responder(call, ids, time.monotonic_ns(), unary, empty_final)
+        progress.responder = responder = Responder(
+            call, ids, time.monotonic_ns(), unary, empty_final, backend.info.kv_block_size, self._decoder(backend)
+        )
         try:
             async with contextlib.aclosing(backend.generate(gen, on_done=slot.release)) as outputs:
                 async for out in outputs:
@@ -131,6 +135,11 @@ class TritonInference:
         except InvalidRequest as exc:  # admission's messages name llm.v1 fields: use the tensors' names
             raise InvalidRequest(tensor_names(str(exc), call.model)) from None
 
+    @staticmethod
+    def _decoder(backend: Backend):
+        """ids -> text as the ensemble's postprocessing step decodes them (special tokens skipped)."""
+        return lambda ids: backend.tokenizer.decode(ids, skip_special_tokens=True)
+
     async def ModelInfer(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelInferResponse:
         started, progress = time.monotonic_ns(), _Progress()
 
@@ -141,8 +150,11 @@ class TritonInference:
             with self.edge.slot(context.peer()) as slot:
                 req = self.edge.parse(service_pb2.ModelInferRequest, raw)
                 call.label, call.request_id = req.model_name, req.id or None
-                if find_model(req.model_name, req.model_version).decoupled:
+                spec = self.models.find(req.model_name, req.model_version)
+                if spec.decoupled:
                     raise Unsupported(DECOUPLED_INFER)
+                if spec.kind in STEP_KINDS:
+                    return await self.steps.infer(spec, req, self.edge.ready(), slot.peer, stream=False)
                 request, backend, _ = await self._prepare(req)
                 if request.stop:  # nothing to stop: a unary request has no stream its id could name
                     return ResponseBuilder(request.model.name, MODEL_VERSION, request.client_id, stream=False).response
@@ -223,6 +235,10 @@ class TritonInference:
             with self.edge.slot(stream.peer) as slot:
                 req = self.edge.parse(service_pb2.ModelInferRequest, raw)
                 model, client_id = req.model_name, req.id
+                spec = self.models.find(req.model_name, req.model_version)
+                if spec.kind in STEP_KINDS:
+                    await queue.put(await self.steps.infer(spec, req, self.edge.ready(), stream.peer, stream=True))
+                    return
                 call, backend, empty_final = await self._prepare(req)
                 stream.tasks[me] = client_id
                 if call.stop:

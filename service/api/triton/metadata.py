@@ -11,7 +11,7 @@ import grpc
 from tritonclient.grpc import service_pb2
 
 from build_engine.triton_models.configs import model_config
-from build_engine.triton_models.tables import MODEL_VERSION, MODELS, ModelSpec
+from build_engine.triton_models.tables import MODEL_VERSION, ModelSpec, models
 from service.api.edge import Edge
 from service.api.status import unary_errors
 from service.backends.base import Backend
@@ -20,13 +20,23 @@ from service.errors import EngineUnavailable, NotFound
 EXTENSIONS = ("model_configuration", "binary_tensor_data", "parameters", "statistics")
 
 
-def find_model(name: str, version: str = "") -> ModelSpec:
-    spec = MODELS.get(name)
-    if spec is None:
-        raise NotFound(f"Request for unknown model: '{name}' is not found")
-    if version not in ("", MODEL_VERSION):
-        raise NotFound(f"Request for unknown model: '{name}' version {version} is not found")
-    return spec
+class Models:
+    """The models this front door serves (tables.models): `decoupled` is the transaction policy of the canonical
+    `ensemble` and `tensorrt_llm` (`--triton-decoupled`; the `_sync` twins are never decoupled)."""
+
+    def __init__(self, decoupled: bool = True) -> None:
+        self.specs = models(decoupled)
+
+    def find(self, name: str, version: str = "") -> ModelSpec:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise NotFound(f"Request for unknown model: '{name}' is not found")
+        if version not in ("", MODEL_VERSION):
+            raise NotFound(f"Request for unknown model: '{name}' version {version} is not found")
+        return spec
+
+    def known(self, name: str, version: str = "") -> bool:
+        return name in self.specs and version in ("", MODEL_VERSION)
 
 
 def model_metadata(spec: ModelSpec) -> service_pb2.ModelMetadataResponse:
@@ -52,8 +62,8 @@ class ModelStats:
 class Statistics:
     """Per-model inference counts and times (ModelStatistics), recorded as requests finish."""
 
-    def __init__(self) -> None:
-        self.models = {name: ModelStats() for name in MODELS}
+    def __init__(self, names: list[str]) -> None:
+        self.models = {name: ModelStats() for name in names}
 
     def record(self, model: str, code: grpc.StatusCode, started_ns: int) -> None:
         stats = self.models.get(model)
@@ -68,8 +78,9 @@ class Statistics:
 
 
 class TritonMetadata:
-    def __init__(self, edge: Edge, statistics: Statistics) -> None:
+    def __init__(self, edge: Edge, statistics: Statistics, models: Models) -> None:
         self.edge = edge
+        self.models = models
         self.statistics = statistics
         self.server_version = _version()
 
@@ -98,8 +109,7 @@ class TritonMetadata:
     @unary_errors
     async def ModelReady(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelReadyResponse:
         req = self.edge.parse(service_pb2.ModelReadyRequest, raw)
-        known = req.name in MODELS and req.version in ("", MODEL_VERSION)
-        return service_pb2.ModelReadyResponse(ready=known and self._ready())
+        return service_pb2.ModelReadyResponse(ready=self.models.known(req.name, req.version) and self._ready())
 
     @unary_errors
     async def ServerMetadata(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ServerMetadataResponse:
@@ -113,13 +123,13 @@ class TritonMetadata:
     async def ModelMetadata(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelMetadataResponse:
         with self.edge.slot(context.peer()):
             req = self.edge.parse(service_pb2.ModelMetadataRequest, raw)
-            return model_metadata(find_model(req.name, req.version))
+            return model_metadata(self.models.find(req.name, req.version))
 
     @unary_errors
     async def ModelConfig(self, raw: bytes, context: grpc.aio.ServicerContext) -> service_pb2.ModelConfigResponse:
         with self.edge.slot(context.peer()):
             req = self.edge.parse(service_pb2.ModelConfigRequest, raw)
-            spec = find_model(req.name, req.version)
+            spec = self.models.find(req.name, req.version)
             return service_pb2.ModelConfigResponse(config=model_config(spec, 1, self._parameters(spec)))
 
     def _parameters(self, spec: ModelSpec) -> dict[str, str]:
@@ -147,7 +157,7 @@ class TritonMetadata:
     ) -> service_pb2.ModelStatisticsResponse:
         with self.edge.slot(context.peer()):
             req = self.edge.parse(service_pb2.ModelStatisticsRequest, raw)
-            names = [find_model(req.name, req.version).name] if req.name else list(MODELS)
+            names = [self.models.find(req.name, req.version).name] if req.name else list(self.models.specs)
             resp = service_pb2.ModelStatisticsResponse()
             for name in names:
                 s = self.statistics.models[name]
@@ -170,7 +180,7 @@ class TritonMetadata:
             self.edge.parse(service_pb2.RepositoryIndexRequest, raw)
             state = "READY" if self._ready() else "UNAVAILABLE"
             resp = service_pb2.RepositoryIndexResponse()
-            for name in MODELS:
+            for name in self.models.specs:
                 resp.models.add(name=name, version=MODEL_VERSION, state=state)
             return resp
 

@@ -2,10 +2,10 @@
 service's backend, speaking the TensorRT-LLM ensemble contract: inference (infer.py) and everything tools read
 around it (metadata.py), one gRPC service.
 
-Models (build_engine/triton_models/tables.py): `ensemble` (text, decoupled), `tensorrt_llm` (token ids,
-decoupled), their non-decoupled twins `ensemble_sync` / `tensorrt_llm_sync` for unary ModelInfer, and the
-ensemble's steps `preprocessing` / `postprocessing`, described (ModelReady, ModelMetadata, ModelConfig) for tools
-that read every step, but not served.
+Models (build_engine/triton_models/tables.py): `ensemble` (text) and `tensorrt_llm` (token ids), decoupled
+unless `--triton-decoupled false` (the choice a deployment makes in config.pbtxt), their never-decoupled twins
+`ensemble_sync` / `tensorrt_llm_sync` for unary ModelInfer, and the ensemble's steps `preprocessing` /
+`postprocessing`, callable on their own (steps.py).
 
 Everything around the model is the shared edge's (service/api/edge.py), as on the llm.v1 port: the same backend,
 validation (SamplingParams, TextLimits, the backend's admission), status codes (service/api/status.py), RPC
@@ -22,16 +22,22 @@ from tritonclient.grpc.service_pb2_grpc import GRPCInferenceServiceServicer
 from service.api.edge import Edge
 from service.api.metrics import ServiceMetrics
 from service.api.triton.infer import TritonInference
-from service.api.triton.metadata import Statistics, TritonMetadata
+from service.api.triton.metadata import Models, Statistics, TritonMetadata
+from service.api.triton.steps import Steps
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 
 
 class TritonServicer:
-    def __init__(self, edge: Edge, metrics: ServiceMetrics, max_requests_per_stream: int) -> None:
-        statistics = Statistics()
-        self.metadata = TritonMetadata(edge, statistics)
-        self.inference = TritonInference(edge, metrics, statistics, max_requests_per_stream)
+    def __init__(
+        self, edge: Edge, metrics: ServiceMetrics, max_requests_per_stream: int, engine_dir: str,
+        decoupled: bool = True,
+    ) -> None:  # fmt: skip
+        models = Models(decoupled)
+        statistics = Statistics(list(models.specs))
+        self.metadata = TritonMetadata(edge, statistics, models)
+        steps = Steps(edge, engine_dir)
+        self.inference = TritonInference(edge, metrics, statistics, max_requests_per_stream, models, steps)
 
     def begin_drain(self) -> None:
         """The server drains: streams take no more requests and end once theirs have (idle ones at once)."""

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import numpy as np
 from tritonclient.grpc import service_pb2
 
-from build_engine.triton_models.tables import ModelSpec, Tensor
+from build_engine.triton_models.tables import REFUSED, ModelSpec, Tensor
 from service.errors import InvalidRequest
 
 NUMPY = {
@@ -30,6 +30,7 @@ CONTENTS = {
 }  # fmt: skip
 MAX_ELEMENTS = 1 << 20  # input_ids: bounded again by max_seq_len at admission (as llm.v1's prompt_token_ids)
 MAX_LIST_ELEMENTS = 256  # any other variable-length input (stop words, word lists): a few dozen mean anything
+ID_TENSORS = frozenset({"input_ids", "decoder_input_ids", "TOKENS_BATCH"})  # token ids: MAX_ELEMENTS
 
 
 def _shape_text(shape: Iterable[int]) -> str:
@@ -52,7 +53,7 @@ def _check_shape(model: ModelSpec, spec: Tensor, shape: list[int]) -> int:
             f"(shape [1, ...]); send one request per prompt"
         )
     count = math.prod(shape)
-    limit = MAX_ELEMENTS if spec.name == "input_ids" else MAX_LIST_ELEMENTS
+    limit = MAX_ELEMENTS if spec.name in ID_TENSORS else MAX_LIST_ELEMENTS
     if count > limit:  # checked before any element is decoded: a long list costs nothing
         raise InvalidRequest(f"input '{spec.name}' has {count} elements, more than {limit}")
     return count
@@ -102,6 +103,14 @@ def _from_contents(spec: Tensor, contents: service_pb2.InferTensorContents, coun
         raise InvalidRequest(f"input '{spec.name}' holds a value out of range for {spec.datatype}") from None
 
 
+def _refusal(model: ModelSpec, name: str, spec: Tensor | None) -> str:
+    """Why an input is not taken: a tensor of the 1.2-era model we do not serve (with the reason), or unknown."""
+    reason = REFUSED.get(model.kind, {}).get(name)
+    if reason is None and spec is None:
+        return f"unexpected inference input '{name}' for model '{model.name}'"
+    return f"input '{name}' of model '{model.name}' is not supported by this server: {reason or 'not served'}"
+
+
 def decode_inputs(model: ModelSpec, request: service_pb2.ModelInferRequest) -> dict[str, np.ndarray]:
     """The request's input tensors by name (shapes as sent), checked against the model's table."""
     raw = request.raw_input_contents
@@ -111,7 +120,7 @@ def decode_inputs(model: ModelSpec, request: service_pb2.ModelInferRequest) -> d
     for index, tensor in enumerate(request.inputs):
         spec = model.input(tensor.name)
         if spec is None or not spec.served:
-            raise InvalidRequest(f"unexpected inference input '{tensor.name}' for model '{model.name}'")
+            raise InvalidRequest(_refusal(model, tensor.name, spec))
         if tensor.name in tensors:
             raise InvalidRequest(f"input '{tensor.name}' is given more than once")
         if tensor.datatype != spec.datatype:
