@@ -71,6 +71,8 @@ class Steps:
 
     async def _postprocess(self, tensors: dict[str, np.ndarray], backend: Backend, peer: str) -> dict:
         tokens = tensors["TOKENS_BATCH"]  # [1, beams, len]
+        if tokens.shape[1] == 0:
+            raise InvalidRequest("TOKENS_BATCH holds no sequence (shape [1, beams >= 1, len])")
         if tokens.size and not (0 <= tokens.min() and tokens.max() < backend.info.vocab_size):
             raise InvalidRequest(f"TOKENS_BATCH holds a token id outside [0, {backend.info.vocab_size})")
         lengths = tensors.get("SEQUENCE_LENGTH")  # [1, beams]
@@ -81,6 +83,8 @@ class Steps:
                 f"SEQUENCE_LENGTH must have shape {list(tokens.shape[:-1])} (TOKENS_BATCH's batch and beams) and "
                 f"values in [0, {tokens.shape[-1]}]"
             )
+        if tokens.shape[2] == 0:  # nothing to decode (numpy cannot reshape an empty batch by -1)
+            return {"OUTPUT": np.array([b""] * tokens.shape[1], dtype=np.object_)}
         limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
         num_bytes = int(lengths.sum()) * backend.tokenizer.max_token_bytes
         text = await self.edge.tokenize(peer, min(num_bytes, limits.max_text_bytes), limits, self._run_post,
