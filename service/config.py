@@ -95,6 +95,7 @@ class ServerConfig:
     port: int = 50051  # 0 picks a free port
     metrics_port: int | None = 9400  # None: no Prometheus endpoint; 0 picks a free port
     triton_port: int | None = None  # a Triton (KServe v2) front door on this port; None: off
+    triton_http_port: int | None = None  # the same front door's HTTP/REST protocol on this port; None: off
     drain_timeout_s: float = 30.0
     tls_cert: str | None = None
     tls_key: str | None = None
