@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -494,6 +495,18 @@ def test_the_drain_timeout_ends_a_stream_with_an_error_event(engine_dir: Path) -
         srv.stop()
     assert all("text_output" in e for e in events[:-1])
     assert "the server shut down before the request finished after" in events[-1]["error"]
+
+
+def test_a_busy_http_port_is_named_with_its_flag(engine_dir: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        srv = ServerThread(make_config(engine_dir, triton_http_port=busy.getsockname()[1]))
+        try:
+            with pytest.raises(OSError, match="--triton-http-port / LLM_TRITON_HTTP_PORT"):
+                srv.start()
+        finally:
+            srv.stop()
 
 
 def _first_token(srv: ServerThread, paced) -> None:
