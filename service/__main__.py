@@ -153,6 +153,14 @@ FLAGS = (
         "non-streaming tools expect); ensemble_sync and tensorrt_llm_sync are never decoupled",
         _true_false,
     ),
+    Flag(
+        "--triton-http-port",
+        "triton_http_port",
+        "also serve Triton's KServe v2 HTTP/REST protocol (infer, generate, generate_stream, health, metadata) on this "
+        "port, Triton's 8000 by convention; metrics stay on --metrics-port (-1: off; 0 picks a free port)",
+        int,
+        none_below_zero=True,
+    ),
     Flag("--triton-url", "backend.triton.url", "triton backend: HOST:PORT of the Triton server's gRPC endpoint"),
     Flag(
         "--triton-model",
@@ -267,9 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         prog="python -m service",
-        description="Serve an engine over gRPC (llm.v1.LLMService, grpc.health.v1, reflection; with --triton-port, "
-        "Triton's KServe v2 protocol too) with Prometheus metrics. Every flag can also be set by the environment "
-        "variable shown in brackets.",
+        description="Serve an engine over gRPC (llm.v1.LLMService, grpc.health.v1, reflection; with --triton-port and "
+        "--triton-http-port, Triton's KServe v2 protocol too, over gRPC and HTTP/REST) with Prometheus metrics. Every "
+        "flag can also be set by the environment variable shown in brackets.",
     )
     for flag in FLAGS:
         _add(p, flag)

@@ -96,6 +96,7 @@ class ServerConfig:
     metrics_port: int | None = 9400  # None: no Prometheus endpoint; 0 picks a free port
     triton_port: int | None = None  # a Triton (KServe v2) front door on this port; None: off
     triton_decoupled: bool = True  # the door's ensemble / tensorrt_llm are decoupled (config.pbtxt's decoupled_mode)
+    triton_http_port: int | None = None  # the same front door's HTTP/REST protocol on this port; None: off
     drain_timeout_s: float = 30.0
     tls_cert: str | None = None
     tls_key: str | None = None

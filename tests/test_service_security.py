@@ -155,3 +155,42 @@ def test_bearer_token_covers_the_triton_port(engine_dir: Path, tmp_path: Path) -
         allowed.stop_stream()  # waits for the stream to end
         assert results and all(e is None for _, e in results)
         assert np.concatenate([r.as_numpy("text_output").reshape(-1) for r, _ in results]).size >= 1
+
+
+def _https_status(port: int, pki: Path, client: str | None = None) -> int | str:
+    """GET /v2/models/ensemble over HTTPS (the CA `ca` trusted, with a client certificate or none)."""
+    import http.client
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    if client:
+        ctx.load_cert_chain(str(pki / f"{client}.crt"), str(pki / f"{client}.key"))
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=10)
+    try:
+        conn.request("GET", "/v2/models/ensemble")
+        return conn.getresponse().status
+    except (ssl.SSLError, OSError) as exc:
+        return type(exc).__name__
+    finally:
+        conn.close()
+
+
+def test_tls_covers_the_triton_http_port(engine_dir: Path, pki: Path) -> None:
+    import http.client
+
+    overrides = {
+        "tls_cert": str(pki / "server.crt"),
+        "tls_key": str(pki / "server.key"),
+        "tls_client_ca": str(pki / "ca.crt"),
+        "triton_http_port": 0,
+    }
+    with running_server(engine_dir, **overrides) as srv:
+        port = srv.server.triton_http_port
+        assert _https_status(port, pki, client="client") == 200
+        assert isinstance(_https_status(port, pki), str)  # no client certificate: the handshake fails
+        assert isinstance(_https_status(port, pki, client="rogue-client"), str)
+        plain = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        with pytest.raises((OSError, http.client.HTTPException)):  # plaintext to a TLS port
+            plain.request("GET", "/v2/health/ready")
+            plain.getresponse()
+        plain.close()

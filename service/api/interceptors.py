@@ -66,6 +66,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         # NOTE: the auth scheme is case-insensitive (RFC 7235 section 2.1)
         return found if scheme.lower() == "bearer" else None
 
+    def salt_for(self, token: bytes) -> str | None:
+        """The cache salt of calls made with `token` (one of ours), or None without --cache-salt-per-token."""
+        return None if self._salts is None else self._salts[token]
+
     def allows(self, authorization: str) -> bool:
         return self.match(authorization) is not None
 

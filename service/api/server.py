@@ -1,6 +1,8 @@
 """The gRPC server: LLMService, grpc.health.v1, reflection, Prometheus, auth, TLS, graceful drain; with
 `--triton-port`, a second grpc.aio server on that port for the Triton (KServe v2) front door, over the same
-backend, with the same interceptors, credentials, RPC limit and drain (service/api/triton/).
+backend, with the same interceptors, credentials, RPC limit and drain (service/api/triton/); with
+`--triton-http-port`, the same door's HTTP/REST protocol on that port (aiohttp: service/api/triton/http.py), over
+the same servicer, tokens, certificate and drain.
 
 Lifecycle: bind and serve health (NOT_SERVING) at once; load the backend in a worker thread; run one warm-up
 generation; then SERVING. On drain: NOT_SERVING, stop accepting, let streams in flight finish within the drain
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 from pathlib import Path
 
 import grpc
@@ -50,6 +53,18 @@ def _credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def _ssl_context(cfg: ServerConfig) -> ssl.SSLContext | None:
+    """The HTTP port's TLS: the gRPC ports' certificate and client CA (checked by _credentials first)."""
+    if not cfg.tls_cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    if cfg.tls_client_ca:
+        ctx.load_verify_locations(cfg.tls_client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
 def _interceptors(cfg: ServerConfig) -> list[grpc.aio.ServerInterceptor]:
     if cfg.cache_salt_per_token and not cfg.auth_token_file:
         raise ValueError("--cache-salt-per-token needs --auth-token-file: the salt comes from each client's token")
@@ -71,10 +86,12 @@ class LLMServer:
         self.metrics.watch_slots(lambda: self.edge.num_active)
         self._server: grpc.aio.Server | None = None
         self._triton_server: grpc.aio.Server | None = None
-        self.triton_servicer = None  # the Triton front door's servicer, with --triton-port
+        self.triton_servicer = None  # the Triton front door's servicer, with --triton-port or --triton-http-port
+        self._triton_http = None  # its HTTP/REST routes, with --triton-http-port
         self._metrics_http = None
         self.port = 0
         self.triton_port: int | None = None
+        self.triton_http_port: int | None = None
         self.metrics_port: int | None = None
         self._draining = False
         self._force = False  # a second signal: stop waiting for streams
@@ -94,6 +111,8 @@ class LLMServer:
         if cfg.triton_port is not None:  # the Triton front door: its own server, the same backend and edge
             triton = self._new_server()
             triton.add_generic_rpc_handlers((self._triton_servicer().generic_handler(),))
+        if cfg.triton_http_port is not None:
+            self._triton_http = self._triton_http_door()
         # NOTE: the aio HealthServicer answers SERVING by default; say NOT_SERVING before anyone can ask.
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -105,6 +124,8 @@ class LLMServer:
             self.triton_port = self._bind(triton, credentials, cfg.triton_port, "Triton gRPC")
             await triton.start()
             self._triton_server = triton
+        if self._triton_http is not None:
+            self.triton_http_port = await self._bind_http(cfg.triton_http_port)
         await server.start()
         self._server = server
         logger.info(
@@ -112,6 +133,8 @@ class LLMServer:
         )
         if self.triton_port is not None:
             logger.info("Triton (KServe v2) front door on %s:%d", cfg.host, self.triton_port)
+        if self.triton_http_port is not None:
+            logger.info("Triton (KServe v2) HTTP/REST front door on %s:%d", cfg.host, self.triton_http_port)
         if self.metrics_port is not None:
             logger.info("Prometheus metrics on http://%s:%d/metrics", cfg.host, self.metrics_port)
         backend = await asyncio.get_running_loop().run_in_executor(None, self._load_backend)
@@ -140,13 +163,32 @@ class LLMServer:
         )
 
     def _triton_servicer(self):
-        from service.api.triton.servicer import TritonServicer  # tritonclient: only with --triton-port
+        from service.api.triton.servicer import TritonServicer  # tritonclient: only with a Triton port
 
-        cfg = self.cfg
-        self.triton_servicer = TritonServicer(
-            self.edge, self.metrics, cfg.max_requests_per_stream, cfg.backend.engine_dir, cfg.triton_decoupled
-        )
+        if self.triton_servicer is None:  # one for both protocols: the same statistics and drain
+            cfg = self.cfg
+            self.triton_servicer = TritonServicer(
+                self.edge, self.metrics, cfg.max_requests_per_stream, cfg.backend.engine_dir, cfg.triton_decoupled
+            )
         return self.triton_servicer
+
+    def _triton_http_door(self):
+        from service.api.triton.http import TritonHttp  # aiohttp and tritonclient: only with --triton-http-port
+
+        interceptors = _interceptors(self.cfg)
+        auth = interceptors[0] if interceptors else None
+        # a request still running at the drain's cut gets CUT_GRACE_S to end, as on the gRPC ports
+        shutdown_s = self.cfg.drain_timeout_s + CUT_GRACE_S + 1
+        return TritonHttp(self._triton_servicer(), self.edge, auth, shutdown_s)
+
+    async def _bind_http(self, port: int) -> int:
+        try:
+            return await self._triton_http.start(self.cfg.host, port, _ssl_context(self.cfg))
+        except OSError as exc:
+            raise OSError(
+                f"Triton HTTP port {port} on {self.cfg.host} cannot be bound: {exc.strerror} (set it with "
+                "--triton-http-port / LLM_TRITON_HTTP_PORT)"
+            ) from None
 
     def _ports(self) -> list[tuple[str, int, str]]:
         """(what, port, the flag and variable that set it) of every port this server binds."""
@@ -156,6 +198,8 @@ class LLMServer:
             ports.append(("metrics", cfg.metrics_port, "--metrics-port / LLM_METRICS_PORT (-1: off)"))
         if cfg.triton_port is not None:
             ports.append(("Triton gRPC", cfg.triton_port, "--triton-port / LLM_TRITON_PORT"))
+        if cfg.triton_http_port is not None:
+            ports.append(("Triton HTTP", cfg.triton_http_port, "--triton-http-port / LLM_TRITON_HTTP_PORT"))
         return ports
 
     def _check_ports_free(self) -> None:
@@ -278,6 +322,8 @@ class LLMServer:
                 # one stop() call per server for the whole drain (concurrent calls on one server crash grpc);
                 # it returns once every RPC is done
                 stopping.append(asyncio.ensure_future(server.stop(timeout + CUT_GRACE_S + 1)))
+        if self._triton_http is not None:  # the listener and idle connections close now, busy ones after
+            stopping.append(asyncio.ensure_future(self._triton_http.stop()))
         deadline = loop.time() + timeout
         while self.edge.num_active and loop.time() < deadline and not self._force:
             await asyncio.sleep(0.02)

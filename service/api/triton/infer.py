@@ -165,6 +165,41 @@ class TritonInference:
                         result = resp  # one, at the end: a unary client has seen no output before (UNAVAILABLE)
                 return result
 
+    async def infer_stream(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
+        """One inference request of any model, its responses yielded as they come, for a transport that gives each
+        request a stream of its own (the HTTP door's generate and generate_stream; `context` needs only peer,
+        time_remaining and abort). The same checks, slot, statistics and stall watch as a ModelStreamInfer
+        request, but an error ends the call (context.abort, as in ModelInfer) instead of becoming an
+        error_message, and a reader that stalls has the task iterating this cancelled."""
+        started, progress = time.monotonic_ns(), _Progress()
+
+        def done(call: Outcome) -> None:
+            self._finished(call.label, call.code, started)
+
+        async with self.edge.outcome(context, done) as call:
+            with self.edge.slot(context.peer()) as slot, self.edge.watch_writes(context) as writes:
+                call.writes = writes
+                writes.on_stall = asyncio.current_task().cancel  # the consumer waits in its write: end it there
+                req = self.edge.parse(service_pb2.ModelInferRequest, raw)
+                call.label, call.request_id = req.model_name, req.id or None
+                spec = self.models.find(req.model_name, req.model_version)
+                if spec.kind in STEP_KINDS:
+                    yield await self.steps.infer(spec, req, self.edge.ready(), slot.peer, stream=True)
+                    return
+                request, backend, empty_final = await self._prepare(req)
+                if request.stop:  # a stream of one request holds nothing a stop could name
+                    yield empty(request)
+                    return
+                responses = self._run(request, backend, False, empty_final, progress, slot)
+                async with contextlib.aclosing(responses):
+                    async for resp in responses:
+                        call.tokens = progress.tokens
+                        writes.pending()
+                        yield resp
+                        writes.sent()
+
     async def ModelStreamInfer(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[service_pb2.ModelStreamInferResponse]:
