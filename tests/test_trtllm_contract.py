@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from build_engine.builder import build
-from build_engine.trtllm_builder import TrtllmOptions
+from build_engine.trtllm_builder import TOKENS_PER_BLOCK, TrtllmOptions
 from protos.llm.v1 import llm_pb2
 from service.backends.remote import RemoteRequest
 from service.backends.trtllm import TrtllmBackend, cache_salt_id, sampling_config
@@ -113,6 +113,23 @@ def test_tp2_builds_one_engine_per_rank(double, tmp_path: Path) -> None:
     assert {"rank0.engine", "rank1.engine"} <= {p.name for p in out.iterdir()}
     config = json.loads((out / "config.json").read_text())
     assert config["pretrained_config"]["mapping"]["world_size"] == 2
+
+
+def test_tokens_per_block_defaults_to_tensorrt_llms_32(double, tmp_path: Path) -> None:
+    """Without --kv-block-size a TensorRT-LLM build takes TensorRT-LLM's tokens_per_block (32); the native engine
+    keeps its own 16 (BuildLimits)."""
+    double.recorder.clear()
+    limits = {k: v for k, v in LIMITS.items() if k != "kv_block_size"}
+    result = build("tiny-random", tmp_path / "e", limits, progress=False, backend="trtllm", trtllm=TrtllmOptions())
+    assert _last(double, "PluginConfig").tokens_per_block == TOKENS_PER_BLOCK == 32
+    assert result.config.limits.kv_block_size == 32
+    cli = json.loads((tmp_path / "e" / "config.json").read_text())["build_config"]["plugin_config"]
+    assert cli["tokens_per_block"] == 32
+    from build_engine.__main__ import parse_args
+    from build_engine.spec import BuildLimits
+
+    assert parse_args(["--model", "m", "--output", "o"]).kv_block_size is None  # the backend decides
+    assert BuildLimits().kv_block_size == 16
 
 
 # ---- executor configuration and request mapping ------------------------------------------------------------
