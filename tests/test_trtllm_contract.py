@@ -13,6 +13,8 @@ import datetime
 import gc
 import inspect
 import json
+import os
+import subprocess
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -590,6 +592,44 @@ def test_drain_cut_cancels_in_the_executor(double, engine: Path) -> None:
         assert err.value.code() == grpc.StatusCode.ABORTED
         assert double.recorder.called(f"{EXECUTOR}.Executor.cancel_request")
         assert double.recorder.called(f"{EXECUTOR}.Executor.shutdown")
+
+
+# ---- the image's start-up smoke test --------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _entrypoint(tmp_path: Path, *, fake_version: str | None, skip: bool = False) -> subprocess.CompletedProcess:
+    """docker/trtllm-entrypoint.sh as the container runs it; fake_version: a stand-in tensorrt_llm package of that
+    version on PYTHONPATH (None: none, as on this machine)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LLM_SKIP_SMOKE_TEST": "1" if skip else "0"}
+    if fake_version is not None:
+        pkg = tmp_path / "fake" / "tensorrt_llm"
+        (pkg / "bindings").mkdir(parents=True)
+        (pkg / "__init__.py").write_text(f"__version__ = {fake_version!r}\n")
+        (pkg / "bindings" / "__init__.py").write_text("")
+        (pkg / "bindings" / "executor.py").write_text("")
+        env["PYTHONPATH"] = f"{tmp_path / 'fake'}{os.pathsep}{ROOT}"
+    script = ROOT / "docker" / "trtllm-entrypoint.sh"
+    return subprocess.run(["sh", str(script), "echo", "the command ran"], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+
+
+def test_the_image_checks_tensorrt_llm_when_it_starts_not_when_it_is_built(tmp_path: Path) -> None:
+    dockerfile = (ROOT / "docker" / "Dockerfile.trtllm").read_text()
+    steps = [line for line in dockerfile.splitlines() if line.startswith(("RUN", "    &&"))]
+    assert steps and not any("tensorrt_llm" in line for line in steps)  # no docker build step imports it
+    assert 'ENTRYPOINT ["trtllm-entrypoint"]' in dockerfile
+    missing = _entrypoint(tmp_path, fake_version=None)
+    assert (
+        missing.returncode == 2 and "cannot be imported" in missing.stderr and "the command ran" not in missing.stdout
+    )
+    ok = _entrypoint(tmp_path, fake_version="1.2.1")
+    assert ok.returncode == 0 and "smoke test: TensorRT-LLM 1.2.1" in ok.stderr and ok.stdout == "the command ran\n"
+    other = _entrypoint(tmp_path / "o", fake_version="1.3.0")
+    assert other.returncode == 2 and "written for 1.2.1" in other.stderr
+    skipped = _entrypoint(tmp_path, fake_version=None, skip=True)
+    assert skipped.returncode == 0 and skipped.stdout == "the command ran\n"
 
 
 # ---- conformance ------------------------------------------------------------------------------------------------
