@@ -15,7 +15,7 @@ from build_engine.quantize import INT4_GROUP_SIZES, WEIGHT_ONLY, WeightPlan
 from build_engine.source import BuildError
 from build_engine.spec import BACKEND_DTYPES, BuildLimits, EngineFormatError
 from build_engine.tensor_io import WRITE_DTYPES
-from build_engine.trtllm_builder import TrtllmOptions
+from build_engine.trtllm_builder import TOKENS_PER_BLOCK, TrtllmOptions
 
 DEFAULTS = BuildLimits()
 TRTLLM = TrtllmOptions()
@@ -51,8 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     limits.add_argument("--max-num-tokens", type=int, default=DEFAULTS.max_num_tokens, help="tokens per step")
     limits.add_argument("--max-seq-len", type=int, default=None,
                         help="prompt + output tokens per request (None: the model's context)")  # fmt: skip
-    limits.add_argument("--kv-block-size", type=int, default=DEFAULTS.kv_block_size,
-                        help="tokens per KV block (TensorRT-LLM: tokens_per_block)")  # fmt: skip
+    # NOTE: "%(default).0s" prints nothing: the help states both backends' defaults (None picks per backend)
+    limits.add_argument("--kv-block-size", type=int, default=None,
+                        help=f"tokens per KV block (TensorRT-LLM: tokens_per_block; --backend trtllm: "
+                        f"{TOKENS_PER_BLOCK}, TensorRT-LLM's default) (default: {DEFAULTS.kv_block_size})"
+                        "%(default).0s")  # fmt: skip
     limits.add_argument("--max-input-len", type=int, default=None,
                         help="trtllm only: longest prompt (None: max_seq_len); the native engine takes any "
                         "prompt that fits max_seq_len")  # fmt: skip

@@ -25,7 +25,7 @@ from build_engine.quantize import WeightPlan
 from build_engine.source import BuildError, ModelSource, check_tensors
 from build_engine.spec import BACKEND_DTYPES, BuildLimits, EngineConfig, EngineFormatError, TokenizerIds
 from build_engine.tiny import write_tiny_checkpoint
-from build_engine.trtllm_builder import TrtllmOptions, build_trtllm, preflight
+from build_engine.trtllm_builder import TOKENS_PER_BLOCK, TrtllmOptions, build_trtllm, preflight
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,8 @@ def build(
     on failure.
 
     `limits` holds BuildLimits fields (max_batch_size, max_num_tokens, max_seq_len, kv_block_size, dtype);
-    missing or None ones take their defaults, max_seq_len the model's max_position_embeddings. An engine already
+    missing or None ones take their defaults, max_seq_len the model's max_position_embeddings, kv_block_size
+    TensorRT-LLM's 32 for a trtllm build (BuildLimits' 16 for the native engine). An engine already
     at `output` is kept when it is the one this build would write (skipped=True), refused when it differs,
     and replaced with force=True.
     """
@@ -177,6 +178,8 @@ def build(
         preflight()  # one line and nothing written when TensorRT-LLM or the GPU is missing
         trtllm = trtllm or TrtllmOptions()
         limits = {**(limits or {}), "dtype": trtllm.dtype}
+        if limits.get("kv_block_size") is None:  # TensorRT-LLM's default, not the native engine's
+            limits["kv_block_size"] = TOKENS_PER_BLOCK
     elif backend != "native":
         raise BuildError(f"unknown backend {backend!r} (choose native or trtllm)")
     _check_output(output)

@@ -175,6 +175,29 @@ class EngineConfig:
             raise EngineFormatError(f"{CONFIG_FILE} is missing or has a malformed field: {exc}") from exc
 
 
+@dataclass(frozen=True, slots=True)
+class TrtllmBuildConfig:
+    """What a TensorRT-LLM engine was built for, from TensorRT-LLM's own config.json ("build_config") in an
+    engine directory of `python -m build_engine --backend trtllm`: the executor refuses what exceeds these."""
+
+    max_input_len: int  # the longest prompt
+    max_seq_len: int  # prompt + output tokens
+    max_num_tokens: int  # tokens in one step (a whole prompt, without chunked context)
+    max_batch_size: int
+
+
+def load_trtllm_build_config(engine_dir: str | Path) -> TrtllmBuildConfig:
+    """TensorRT-LLM's build_config of a trtllm engine directory, or EngineFormatError naming the file."""
+    path = Path(engine_dir) / CONFIG_FILE
+    try:
+        build = json.loads(path.read_text())["build_config"]
+        return TrtllmBuildConfig(**{f.name: int(build[f.name]) for f in dataclasses.fields(TrtllmBuildConfig)})
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EngineFormatError(f"{path} is not readable TensorRT-LLM engine config: {exc}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EngineFormatError(f"{path} has no usable build_config ({type(exc).__name__}: {exc})") from None
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -11,11 +11,14 @@ Writes TensorRT-LLM's inflight_batcher_llm layout (1.2 era) for Triton's `*-trtl
 
 Every config.pbtxt is a ModelConfig message (tritonclient's model_config_pb2) written with protobuf's text format,
 from the same tensor tables the service's own Triton front door serves (build_engine/triton_models/tables.py), so
-it parses by construction; the values the TensorRT-LLM backend's docs call mandatory are all set (backend, max
-batch size, decoupled mode, queue delay and size, engine path, batching strategy, the logits data type), with
-the paged KV cache fraction, chunked context and scheduler policy passed in as a TrtllmRuntime (defaults: those of
-build_engine/trtllm_runtime.py, which the service's trtllm backend takes too) and block reuse (on unless
---no-block-reuse). The Python steps are our own model.py files, not copies of the container's: they tokenize with
+it parses by construction. The tensorrt_llm model carries every parameter the 1.2-era C++ backend reads without
+a fallback (build_engine/triton_models/backend_parameters.py, read from its source at a cited commit; the three
+guided-decoding ones set to "", which it reads as unset) and the values the backend's docs call mandatory
+(backend, max batch size, decoupled mode, queue delay and size, engine path, batching strategy, the logits data
+type), with the paged KV cache fraction, chunked context and scheduler policy passed in as a TrtllmRuntime
+(defaults: those of build_engine/trtllm_runtime.py, which the service's trtllm backend takes too) and block reuse
+(on unless --no-block-reuse). Never loaded by a real Triton here (no GPU machine): docs/triton.md says what is
+checked. The Python steps are our own model.py files, not copies of the container's: they tokenize with
 the engine's tokenizer exactly as the service does.
 
 Paths inside the container: the engine directory is named by --engine-path (default: --engine as an absolute
@@ -34,6 +37,7 @@ from pathlib import Path
 from build_engine import spec
 from build_engine.source import BuildError
 from build_engine.spec import EngineConfig, EngineFormatError, load_engine_config
+from build_engine.triton_models.backend_parameters import unset_values
 from build_engine.triton_models.tables import MODELS
 from build_engine.trtllm_runtime import SCHEDULER_POLICIES, TrtllmRuntime
 
@@ -75,6 +79,7 @@ def configs(
 
     batch = max_batch_size or config.limits.max_batch_size
     llm_params = {
+        **unset_values(),  # read without a fallback, but we have no guided decoding: "" (unset)
         "gpt_model_type": "inflight_fused_batching",  # batching_strategy
         "gpt_model_path": engine_path,  # engine_dir
         "max_beam_width": "1",

@@ -25,6 +25,9 @@ from build_engine.spec import EngineConfig
 
 TRTLLM_VERSION = "1.2.1"  # the pin: upstream removes the TensorRT-engine path after 1.3.0rc20
 WEIGHT_ONLY_ALGOS = {"int8": "W8A16", "int4": "W4A16"}  # per-channel weight-only, no calibration needed
+# tokens per KV block when --kv-block-size is not given: TensorRT-LLM's own default (PluginConfig.tokens_per_block
+# and enable_paged_kv_cache(tokens_per_block=32), 1.2 era); the native engine keeps BuildLimits' 16
+TOKENS_PER_BLOCK = 32
 INSTALL_HINT = (
     f"the trtllm backend needs TensorRT-LLM {TRTLLM_VERSION} and an NVIDIA GPU: pip install --no-deps -e . inside "
     f"NVIDIA's TensorRT-LLM {TRTLLM_VERSION} container (docker/Dockerfile.trtllm), or pip install "

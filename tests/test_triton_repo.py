@@ -16,6 +16,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from build_engine import spec
 from build_engine.spec import load_engine_config
+from build_engine.triton_models.backend_parameters import BATCHING_TYPES, REQUIRED_PARAMETERS, SOURCE_COMMIT
 from build_engine.triton_models.postprocessing import Postprocessor
 from build_engine.triton_models.preprocessing import Preprocessor
 from build_engine.triton_models.tables import MODELS
@@ -85,6 +86,26 @@ def test_tensorrt_llm_config_has_the_mandatory_values(repo: Path) -> None:
     assert {"output_ids", "sequence_length", "num_output_tokens", "cum_log_probs"} <= set(outputs)
 
 
+def test_tensorrt_llm_config_has_every_parameter_the_backend_reads_without_a_fallback(repo: Path) -> None:
+    """The 1.2-era C++ backend reads these with GetParameter outside any try: a missing one fails model instance
+    creation (backend_parameters.py, cited from model_instance_state.cc). We have no guided decoding, so the
+    guided-decoding ones carry the value the C++ code treats as unset."""
+    cfg = _parse(repo / "tensorrt_llm" / "config.pbtxt")
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert {p.name for p in REQUIRED_PARAMETERS} == {
+        "gpt_model_type", "tokenizer_dir", "xgrammar_tokenizer_info_path", "guided_decoding_backend",
+    }  # fmt: skip
+    for p in REQUIRED_PARAMETERS:
+        assert p.name in params, f"{p.name} ({p.file} {p.function}) is read without a fallback"
+        if p.unset is None:
+            assert params[p.name], p.name  # no value means unset: a real one is needed
+        else:
+            assert params[p.name] == p.unset, p.name
+    assert params["gpt_model_type"] in BATCHING_TYPES
+    assert params["gpt_model_path"]  # read with a fallback, but an empty path fails the next check
+    assert len(SOURCE_COMMIT) == 40  # the table cites one commit (docs/triton.md)
+
+
 def test_the_ensemble_wires_its_steps(repo: Path) -> None:
     configs = {name: _parse(repo / name / "config.pbtxt") for name in STEPS}
     ens = configs["ensemble"]
@@ -132,10 +153,23 @@ def test_python_steps_tokenize_like_the_service(trtllm_engine: Path) -> None:
     assert pre.run({"QUERY": np.array([[b"Hi"]], dtype=np.object_), "REQUEST_OUTPUT_LEN": np.array([[1]])})[
         "OUT_END_ID"
     ].tolist() == [[2]]  # the engine's end token when the request gives none
+
+
+def test_postprocessing_emits_nvidias_flat_output(trtllm_engine: Path) -> None:
+    """OUTPUT is np.array over a flat list of batch * beams texts, as NVIDIA's postprocessing model.py builds it,
+    so NVIDIA's clients' output[0].decode() reads the first text (a [batch, beams] array has no .decode)."""
+    tok = Tokenizer.from_engine_dir(trtllm_engine)
     post = Postprocessor(str(trtllm_engine))
     ids = tok.encode("Hello there, general")
     text = post.run(np.array([[ids + [0, 0]]], dtype=np.int32), np.array([[len(ids)]], dtype=np.int32))
-    assert text.shape == (1, 1) and text[0, 0].decode() == tok.decode(ids, skip_special_tokens=True)
+    assert text.shape == (1,) and text.dtype == np.object_
+    assert text[0].decode() == tok.decode(ids, skip_special_tokens=True)  # what end_to_end_grpc_client.py does
+    other = tok.encode("The capital")
+    rows = np.zeros((2, 1, len(ids)), dtype=np.int32)
+    rows[0, 0], rows[1, 0, : len(other)] = ids, other
+    two = post.run(rows, np.array([[len(ids)], [len(other)]], dtype=np.int32))
+    assert two.shape == (2,) and [t.decode() for t in two] == [tok.decode(ids), tok.decode(other)]  # batch-major
+    assert MODELS["postprocessing"].output("OUTPUT").dims == (-1,)  # NVIDIA's config.pbtxt: dims [ -1 ]
 
 
 def test_refusals(tmp_path: Path, tiny_engine_dir: Path, trtllm_engine: Path, capsys) -> None:

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import gc
 import inspect
 import json
+import os
+import subprocess
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,14 +23,26 @@ import grpc
 import pytest
 
 from build_engine.builder import build
-from build_engine.trtllm_builder import TrtllmOptions
+from build_engine.spec import EngineFormatError, TrtllmBuildConfig, load_trtllm_build_config
+from build_engine.trtllm_builder import TOKENS_PER_BLOCK, TrtllmOptions
 from protos.llm.v1 import llm_pb2
-from service.backends.remote import RemoteRequest
+from service.backends import trtllm_rules
+from service.backends.remote import EndIds, RemoteRequest
 from service.backends.trtllm import TrtllmBackend, cache_salt_id, sampling_config
+from service.backends.trtllm_rules import (
+    FINISH_REASONS,
+    PromptLimits,
+    UnknownFinishReason,
+    finish_reasons,
+    finish_stop,
+)
 from service.config import AdmissionConfig, BackendConfig, TrtllmConfig
+from service.errors import BackendLoadError
 from service.request import GenerateRequest, SamplingParams
+from service.stops import Stop
 from tests.servers import generate, ids_and_text, running_server
 from tests.trtllm_double import installed
+from tests.trtllm_double.executor import ExecutorDouble
 from tests.trtllm_double.surface import ALLOW_LIST, PARTIAL, SURFACE, known_names, signature
 from tests.waiting import wait_until, wait_until_async
 
@@ -113,6 +129,23 @@ def test_tp2_builds_one_engine_per_rank(double, tmp_path: Path) -> None:
     assert {"rank0.engine", "rank1.engine"} <= {p.name for p in out.iterdir()}
     config = json.loads((out / "config.json").read_text())
     assert config["pretrained_config"]["mapping"]["world_size"] == 2
+
+
+def test_tokens_per_block_defaults_to_tensorrt_llms_32(double, tmp_path: Path) -> None:
+    """Without --kv-block-size a TensorRT-LLM build takes TensorRT-LLM's tokens_per_block (32); the native engine
+    keeps its own 16 (BuildLimits)."""
+    double.recorder.clear()
+    limits = {k: v for k, v in LIMITS.items() if k != "kv_block_size"}
+    result = build("tiny-random", tmp_path / "e", limits, progress=False, backend="trtllm", trtllm=TrtllmOptions())
+    assert _last(double, "PluginConfig").tokens_per_block == TOKENS_PER_BLOCK == 32
+    assert result.config.limits.kv_block_size == 32
+    cli = json.loads((tmp_path / "e" / "config.json").read_text())["build_config"]["plugin_config"]
+    assert cli["tokens_per_block"] == 32
+    from build_engine.__main__ import parse_args
+    from build_engine.spec import BuildLimits
+
+    assert parse_args(["--model", "m", "--output", "o"]).kv_block_size is None  # the backend decides
+    assert BuildLimits().kv_block_size == 16
 
 
 # ---- executor configuration and request mapping ------------------------------------------------------------
@@ -300,13 +333,169 @@ def test_cancel_and_deadline_cancel_in_the_executor(double, engine: Path) -> Non
 
 def test_unsupported_fields_are_refused(double, engine: Path) -> None:
     with running_server(engine) as srv:
+        min_p = _req()
+        min_p.sampling.min_p = 0.05
         for req, field in ((_req(output=llm_pb2.OutputOptions(logprobs=3)), "output.logprobs"),
-                           (_req(priority=2), "priority")):  # fmt: skip
+                           (_req(priority=2), "priority"), (min_p, "min_p")):  # fmt: skip
             with pytest.raises(grpc.RpcError) as err:
                 _collect(srv.stub(), req)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
         ids, _, _ = _collect(srv.stub(), _req(max_tokens=4, output=llm_pb2.OutputOptions(logprobs=0)))
         assert len(ids) == 4
+
+
+# ---- admission: what the executor would only fail ---------------------------------------------------------
+
+
+def _ids_req(n: int, max_tokens: int = 4) -> llm_pb2.GenerateRequest:
+    return llm_pb2.GenerateRequest(
+        prompt_token_ids=llm_pb2.TokenIds(ids=[5 + i % 200 for i in range(n)]),
+        sampling=llm_pb2.SamplingParams(temperature=0),
+        stopping=llm_pb2.StoppingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+@pytest.fixture(scope="module")
+def short_input_engine(double, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("trtllm") / "tiny-input-32"
+    build("tiny-random", out, LIMITS, progress=False, backend="trtllm",
+          trtllm=TrtllmOptions(dtype="float16", max_input_len=32))  # fmt: skip
+    return out
+
+
+def test_a_prompt_over_max_input_len_is_invalid_argument(double, short_input_engine: Path) -> None:
+    """The executor would answer an error response (UNAVAILABLE); admission names the field instead."""
+    assert load_trtllm_build_config(short_input_engine).max_input_len == 32  # TensorRT-LLM's config.json
+    with running_server(short_input_engine) as srv:
+        with pytest.raises(grpc.RpcError) as err:
+            _collect(srv.stub(), _ids_req(33))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_input_len 32" in err.value.details() and "33 tokens" in err.value.details()
+        assert len(_collect(srv.stub(), _ids_req(32))[0]) == 4  # the longest prompt it takes
+
+
+def test_without_chunked_context_a_prompt_over_max_num_tokens_is_invalid_argument(double, engine: Path) -> None:
+    unchunked = {"backend.trtllm": TrtllmConfig(enable_chunked_context=False)}
+    with running_server(engine, **unchunked) as srv:
+        with pytest.raises(grpc.RpcError) as err:
+            _collect(srv.stub(), _ids_req(65))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_num_tokens 64" in err.value.details() and "--no-chunked-context" in err.value.details()
+        assert len(_collect(srv.stub(), _ids_req(64))[0]) == 4
+    with running_server(engine) as srv:  # chunked context (the default): prefilled in pieces
+        assert len(_collect(srv.stub(), _ids_req(65))[0]) == 4
+    build_cfg = TrtllmBuildConfig(max_input_len=512, max_seq_len=512, max_num_tokens=64, max_batch_size=8)
+    assert PromptLimits.of(build_cfg, False, 32) == PromptLimits(512, 32)  # the runtime cap lowers it
+    assert PromptLimits.of(build_cfg, True, 32) == PromptLimits(512, None)
+
+
+def test_the_build_config_loader_names_the_file(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"build_config": {"max_input_len": 8}}))
+    with pytest.raises(EngineFormatError, match=r"config\.json has no usable build_config"):
+        load_trtllm_build_config(tmp_path)
+    with pytest.raises(EngineFormatError, match=r"config\.json"):
+        load_trtllm_build_config(tmp_path / "missing")
+
+
+# ---- finish reasons -------------------------------------------------------------------------------------------
+
+
+def test_the_finish_reason_map_is_every_real_member(double, monkeypatch) -> None:
+    enum = double.executor.FinishReason
+    assert [m.name for m in enum] == SURFACE[f"{EXECUTOR}.FinishReason"]["members"]  # the 1.2 surface's
+    by_member = finish_reasons(enum)
+    assert set(by_member) == set(enum)
+    assert by_member[enum.END_ID] == by_member[enum.STOP_WORDS] == Stop("stop")
+    assert by_member[enum.LENGTH] == Stop("length") and by_member[enum.NOT_FINISHED] is None
+    assert by_member[enum.CANCELLED] == by_member[enum.TIMED_OUT] == Stop("abort")
+    misspelt = {("END_IDS" if k == "END_ID" else k): v for k, v in FINISH_REASONS.items()}
+    monkeypatch.setattr(trtllm_rules, "FINISH_REASONS", misspelt)
+    with pytest.raises(BackendLoadError, match=r"not in FinishReason: \['END_IDS'\]; not mapped: \['END_ID'\]"):
+        finish_reasons(enum)
+
+
+def test_a_final_result_of_no_known_end_is_an_error_not_length(double) -> None:
+    enum = double.executor.FinishReason
+    by_member = finish_reasons(enum)
+    for reasons in ([], None, [enum.NOT_FINISHED], ["LENGTH"]):  # a name is not the member
+        with pytest.raises(UnknownFinishReason):
+            finish_stop(by_member, SimpleNamespace(finish_reasons=reasons))
+    assert finish_stop(by_member, SimpleNamespace(finish_reasons=[enum.LENGTH])) == Stop("length")
+
+
+def _seeded_req(seed: int, ignore_eos: bool = True) -> llm_pb2.GenerateRequest:
+    """The same 12 tokens for the same seed (sampled: greedy, the tiny model repeats one token)."""
+    req = _req("1 2 3 4", 12)
+    req.sampling.temperature, req.sampling.seed, req.stopping.ignore_eos = 1.0, seed, ignore_eos
+    return req
+
+
+def _ending_token(srv) -> tuple[int, list[int], int]:
+    """A seed, its request's tokens and k >= 2: the index of a token that does not occur before it."""
+    for seed in range(1, 40):
+        ids, _, _ = _collect(srv.stub(), _seeded_req(seed))
+        k = next((i for i in range(2, len(ids)) if ids[i] not in ids[:i]), None)
+        if k is not None:
+            return seed, ids, k
+    raise AssertionError("no seed gives a fresh token after two")
+
+
+@pytest.mark.parametrize("end_token_returned", [False, True])
+def test_an_eos_end_is_stop(double, engine: Path, monkeypatch, end_token_returned: bool) -> None:
+    """FinishReason.END_ID: TensorRT-LLM does not return the end token (NVIDIA/TensorRT-LLM#2190), so only the
+    finish reason says EOS; should it return it, our stop rules see it. Either way: STOP, no stop token id."""
+    monkeypatch.setattr(ExecutorDouble, "END_TOKEN_IN_OUTPUT", end_token_returned)
+    with running_server(engine) as srv:
+        seed, ids, k = _ending_token(srv)
+        backend = srv.server.backend
+        backend.end_ids = EndIds(ids[k], backend.end_ids.pad_id, (), frozenset({ids[k]}))  # ids[k] is the EOS
+        double.recorder.clear()
+        got, _, complete = _collect(srv.stub(), _seeded_req(seed, ignore_eos=False))
+        assert got == ids[: k + 1 if end_token_returned else k]
+        assert complete.finish_reason == llm_pb2.FINISH_REASON_STOP and complete.WhichOneof("stop_reason") is None
+        assert complete.usage.completion_tokens == len(got)
+        assert [r.end_id for r in double.recorder.built("Request")] == [ids[k]]
+        _wait_idle(srv)
+
+
+@pytest.mark.parametrize("stop_token_returned", [True, False])
+def test_a_stop_token_end_is_stop(double, engine: Path, monkeypatch, stop_token_returned: bool) -> None:
+    """FinishReason.STOP_WORDS for our stop_token_ids (sent as one-token stop words): with the token returned our
+    rules end the request on it (its id reported); without it, the finish reason alone."""
+    monkeypatch.setattr(ExecutorDouble, "STOP_WORD_IN_OUTPUT", stop_token_returned)
+    with running_server(engine) as srv:
+        seed, ids, k = _ending_token(srv)
+        req = _seeded_req(seed)
+        req.stopping.stop_token_ids.append(ids[k])
+        got, _, complete = _collect(srv.stub(), req)
+        assert complete.finish_reason == llm_pb2.FINISH_REASON_STOP
+        if stop_token_returned:
+            assert got == ids[: k + 1] and complete.stop_token_id == ids[k]
+        else:
+            assert got == ids[:k] and complete.WhichOneof("stop_reason") is None
+        _wait_idle(srv)
+
+
+def test_an_unknown_final_reason_fails_the_request(double, engine: Path, monkeypatch) -> None:
+    """A final result whose reason is no end (here NOT_FINISHED) fails the request; it is never called LENGTH."""
+    real = ExecutorDouble._response
+
+    def wrong(self, out):
+        response = real(self, out)
+        if response.result.is_final:
+            object.__setattr__(response.result, "finish_reasons", [self._namespace["FinishReason"].NOT_FINISHED])
+        return response
+
+    monkeypatch.setattr(ExecutorDouble, "_response", wrong)
+    with running_server(engine) as srv:
+        seed, ids, k = _ending_token(srv)  # these end by our rules (length): the executor's reason is not read
+        backend = srv.server.backend
+        backend.end_ids = EndIds(ids[k], backend.end_ids.pad_id, (), frozenset({ids[k]}))  # an EOS end: it is
+        with pytest.raises(grpc.RpcError) as err:
+            _collect(srv.stub(), _seeded_req(seed, ignore_eos=False))
+        assert err.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
+        assert srv.server.backend.is_healthy
+        _wait_idle(srv)
 
 
 def test_gauges_come_from_iteration_stats(double, engine: Path) -> None:
@@ -357,6 +546,37 @@ def test_a_dead_executor_fails_every_stream_then_the_policy(double, engine: Path
             assert srv.server.fatal is None
 
 
+def test_recover_drops_the_old_executor_before_building_the_next(double, engine: Path, monkeypatch) -> None:
+    """The old executor's shutdown() has returned and nothing references it (its GPU memory can be freed) before
+    the next Executor is constructed."""
+    with running_server(engine, on_engine_error="recover") as srv:
+        backend = srv.server.backend
+        old = weakref.ref(backend.executor)
+        double.recorder.clear()  # the recorder keeps every object the double built: not a reference of ours
+        seen: list[tuple[bool, int]] = []
+        build_next = backend._new_executor
+
+        def checked():
+            gc.collect()
+            seen.append((old() is None, len(double.recorder.called(f"{EXECUTOR}.Executor.shutdown"))))
+            return build_next()
+
+        monkeypatch.setattr(backend, "_new_executor", checked)
+        backend.executor.crash()
+        wait_until(lambda: seen, "the next executor being built")
+        assert seen == [(True, 1)]  # the old one was shut down once and is gone
+        wait_until(lambda: backend.executor is not None and backend.is_healthy, "the new executor serving")
+
+        def serves() -> bool:
+            try:
+                return len(_collect(srv.stub(), _req(max_tokens=6))[0]) == 6
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE
+                return False
+
+        wait_until(serves, "serving on the new executor")
+
+
 def test_drain_cut_cancels_in_the_executor(double, engine: Path) -> None:
     with running_server(engine) as srv, srv.paced() as paced:
         double.recorder.clear()
@@ -374,6 +594,44 @@ def test_drain_cut_cancels_in_the_executor(double, engine: Path) -> None:
         assert double.recorder.called(f"{EXECUTOR}.Executor.shutdown")
 
 
+# ---- the image's start-up smoke test --------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _entrypoint(tmp_path: Path, *, fake_version: str | None, skip: bool = False) -> subprocess.CompletedProcess:
+    """docker/trtllm-entrypoint.sh as the container runs it; fake_version: a stand-in tensorrt_llm package of that
+    version on PYTHONPATH (None: none, as on this machine)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LLM_SKIP_SMOKE_TEST": "1" if skip else "0"}
+    if fake_version is not None:
+        pkg = tmp_path / "fake" / "tensorrt_llm"
+        (pkg / "bindings").mkdir(parents=True)
+        (pkg / "__init__.py").write_text(f"__version__ = {fake_version!r}\n")
+        (pkg / "bindings" / "__init__.py").write_text("")
+        (pkg / "bindings" / "executor.py").write_text("")
+        env["PYTHONPATH"] = f"{tmp_path / 'fake'}{os.pathsep}{ROOT}"
+    script = ROOT / "docker" / "trtllm-entrypoint.sh"
+    return subprocess.run(["sh", str(script), "echo", "the command ran"], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+
+
+def test_the_image_checks_tensorrt_llm_when_it_starts_not_when_it_is_built(tmp_path: Path) -> None:
+    dockerfile = (ROOT / "docker" / "Dockerfile.trtllm").read_text()
+    steps = [line for line in dockerfile.splitlines() if line.startswith(("RUN", "    &&"))]
+    assert steps and not any("tensorrt_llm" in line for line in steps)  # no docker build step imports it
+    assert 'ENTRYPOINT ["trtllm-entrypoint"]' in dockerfile
+    missing = _entrypoint(tmp_path, fake_version=None)
+    assert (
+        missing.returncode == 2 and "cannot be imported" in missing.stderr and "the command ran" not in missing.stdout
+    )
+    ok = _entrypoint(tmp_path, fake_version="1.2.1")
+    assert ok.returncode == 0 and "smoke test: TensorRT-LLM 1.2.1" in ok.stderr and ok.stdout == "the command ran\n"
+    other = _entrypoint(tmp_path / "o", fake_version="1.3.0")
+    assert other.returncode == 2 and "written for 1.2.1" in other.stderr
+    skipped = _entrypoint(tmp_path, fake_version=None, skip=True)
+    assert skipped.returncode == 0 and skipped.stdout == "the command ran\n"
+
+
 # ---- conformance ------------------------------------------------------------------------------------------------
 
 
@@ -389,7 +647,7 @@ def _exercise_everything(engine: Path, tmp: Path, recorder) -> None:
         )
         backend.start(lambda healthy: None, lambda reason: None)
         kinds = [SamplingParams(max_tokens=3, temperature=0, stop_token_ids=(7,), min_tokens=1),
-                 SamplingParams(max_tokens=3, temperature=0.8, top_k=4, top_p=0.9, min_p=0.05, seed=1,
+                 SamplingParams(max_tokens=3, temperature=0.8, top_k=4, top_p=0.9, seed=1,
                                 repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1, logprobs=0),
                  SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)]  # fmt: skip
         for sampling in kinds:
@@ -415,8 +673,9 @@ def test_everything_our_code_touches_exists_in_the_real_surface(double, engine: 
                 "tensorrt_llm.Mapping(tp_size=)", "tensorrt_llm.models.modeling_utils.QuantConfig(quant_algo=)",
                 "tensorrt_llm.bindings.executor.Executor.cancel_request",
                 "tensorrt_llm.bindings.executor.Executor.get_latest_iteration_stats",
-                "tensorrt_llm.bindings.executor.SamplingConfig(min_p=)"}  # fmt: skip
+                "tensorrt_llm.bindings.executor.SamplingConfig(top_p=)"}  # fmt: skip
     assert expected <= touched  # the exercise really went through these paths
+    assert f"{EXECUTOR}.SamplingConfig(min_p=)" not in touched  # refused, never sent (docs/gpu.md)
     top_level = {n for n in touched if n.count(".") == 1 and "(" not in n}
     assert top_level - set(SURFACE) - set(PARTIAL) <= set(ALLOW_LIST)
 

@@ -131,6 +131,52 @@ def test_teacher_forced_top1_agreement(trt_engine: Path, smollm2_engine_dir: Pat
     assert agree / total >= AGREEMENT, f"teacher-forced top-1 agreement {agree}/{total}"
 
 
+def _generate(engine: Path, n: int, sampling: dict, **request) -> list[tuple[list[int], str]]:
+    """Requests straight to an Executor (not through our backend, which refuses min_p), one per seed of
+    sampling["seeds"] (default: seed 0): each one's output tokens and finish reason."""
+    import tensorrt_llm.bindings.executor as trtllm
+
+    executor = trtllm.Executor(str(engine), trtllm.ModelType.DECODER_ONLY, trtllm.ExecutorConfig(max_beam_width=1))
+    prompt, out = GOLDEN["cases"][0]["prompt_token_ids"], []
+    config = {k: v for k, v in sampling.items() if k != "seeds"}
+    try:
+        for seed in sampling.get("seeds", [0]):
+            rid = executor.enqueue_request(trtllm.Request(
+                input_token_ids=prompt, max_tokens=n, sampling_config=trtllm.SamplingConfig(seed=seed, **config),
+                output_config=trtllm.OutputConfig(exclude_input_from_output=True), **request,
+            ))  # fmt: skip
+            final = next(r for r in executor.await_responses(rid) if r.has_error() or r.result.is_final)
+            assert not final.has_error(), final.error_msg
+            out.append((list(final.result.output_token_ids[0]), final.result.finish_reasons[0].name))
+    finally:
+        executor.shutdown()
+    return out
+
+
+def test_min_p_applies_in_the_engine(trt_engine: Path) -> None:
+    """What must pass before the trtllm backend stops refusing min_p (docs/gpu.md, "On a GPU"): min_p = 1 keeps
+    only the most likely token, so sampling at temperature 1.5 gives the greedy tokens; without it, it does not."""
+    seeds = list(range(1, 9))
+    [(greedy, _)] = _generate(trt_engine, 16, {"top_k": 1}, end_id=-1)
+    free = _generate(trt_engine, 16, {"temperature": 1.5, "top_p": 1.0, "seeds": seeds}, end_id=-1)
+    assert any(tokens != greedy for tokens, _ in free), "sampling never left the greedy path: no evidence"
+    kept = _generate(trt_engine, 16, {"temperature": 1.5, "top_p": 1.0, "min_p": 1.0, "seeds": seeds}, end_id=-1)
+    assert all(tokens == greedy for tokens, _ in kept), "min_p=1 did not restrict sampling to the top token"
+
+
+def test_end_and_stop_tokens_come_back_as_the_double_says(trt_engine: Path) -> None:
+    """The test double's assumptions (tests/trtllm_double/executor.py): an END_ID end does not return the end
+    token (NVIDIA/TensorRT-LLM#2190), a STOP_WORDS end returns the stop word's token."""
+    from tests.trtllm_double.executor import ExecutorDouble
+
+    [(greedy, _)] = _generate(trt_engine, 16, {"top_k": 1}, end_id=-1)
+    k = next(i for i in range(2, len(greedy)) if greedy[i] not in greedy[:i])
+    [(ended, reason)] = _generate(trt_engine, 16, {"top_k": 1}, end_id=greedy[k])
+    assert reason == "END_ID" and ended == greedy[: k + 1 if ExecutorDouble.END_TOKEN_IN_OUTPUT else k]
+    [(stopped, reason)] = _generate(trt_engine, 16, {"top_k": 1}, end_id=-1, stop_words=[[greedy[k]]])
+    assert reason == "STOP_WORDS" and stopped == greedy[: k + 1 if ExecutorDouble.STOP_WORD_IN_OUTPUT else k]
+
+
 def test_served_through_grpc(trt_engine: Path) -> None:
     with running_server(trt_engine) as srv:
         info = srv.stub().GetModelInfo(llm_pb2.GetModelInfoRequest())

@@ -6,7 +6,10 @@ between the streamed responses of one request), with the engine's tokenizer.json
 configured: a character whose UTF-8 bytes span two streamed responses comes out as U+FFFD. The service's own
 `--backend triton --triton-model tensorrt_llm` detokenizes incrementally instead (exact text).
 
-Inputs: TOKENS_BATCH [B, beams, L], SEQUENCE_LENGTH [B, beams]. Output: OUTPUT [B, beams] (BYTES).
+Inputs: TOKENS_BATCH [B, beams, L], SEQUENCE_LENGTH [B, beams]. Output: OUTPUT [B * beams] (BYTES), one flat
+row of texts in batch-major order, as NVIDIA's postprocessing model.py builds it (np.array over a flat list of
+decoded strings; TensorRT-LLM triton_backend/all_models/inflight_batcher_llm/postprocessing/1/model.py @2e2327b9),
+so NVIDIA's clients' `output[0].decode()` reads the first text.
 """
 
 import json
@@ -27,15 +30,16 @@ class Postprocessor:
         self.skip_special_tokens = skip_special_tokens
 
     def run(self, tokens, lengths):
+        """TOKENS_BATCH [B, beams, L], SEQUENCE_LENGTH [B, beams] -> OUTPUT [B * beams] (bytes objects)."""
         tokens = np.asarray(tokens)
         tokens = tokens.reshape(tokens.shape[0], -1, tokens.shape[-1]) if tokens.ndim >= 2 else tokens.reshape(1, 1, -1)
         lengths = np.asarray(lengths).reshape(tokens.shape[0], tokens.shape[1])
-        out = np.empty(lengths.shape, dtype=np.object_)
+        texts = []
         for b in range(tokens.shape[0]):
             for beam in range(tokens.shape[1]):
                 ids = tokens[b, beam, : int(lengths[b, beam])].tolist()
-                out[b, beam] = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens).encode()
-        return out
+                texts.append(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens).encode())
+        return np.array(texts, dtype=np.object_)  # [B * beams]: flat, as NVIDIA's np.array(outputs)
 
 
 class TritonPythonModel:

@@ -204,7 +204,8 @@ PREPROCESSING_OUTPUTS = (
     _i("OUT_PAD_ID"),
 )
 POSTPROCESSING_INPUTS = (_i("TOKENS_BATCH", dims=(-1, -1), optional=False), _i("SEQUENCE_LENGTH", dims=(-1,)))
-POSTPROCESSING_OUTPUTS = (Tensor("OUTPUT", "BYTES", dims=(-1,)),)
+# OUTPUT: NVIDIA's config says dims [-1]; its model.py (and ours) return one flat row of B * beams texts
+POSTPROCESSING_OUTPUTS = (Tensor("OUTPUT", "BYTES", dims=(-1,), note="[batch * beams], flat"),)
 
 # the ensemble's wiring (the same names as TensorRT-LLM's ensemble template)
 _DIRECT = (  # ensemble input -> tensorrt_llm input

@@ -27,7 +27,8 @@ def sampling_values(p: SamplingParams) -> dict[str, Any]:
     TensorRT-LLM samples greedily whenever top_k is unset/0/1 and top_p is unset/0, whatever the temperature
     (regularizeTopKTopP), so temperature 0 sends top_k=1 and temperature > 0 without top-k/top-p sends
     top_p=1.0; with no seed its runtime seed is 0 for every request, so each request without one draws its own.
-    Unset fields are left out (TensorRT-LLM's defaults are ours).
+    Unset fields are left out (TensorRT-LLM's defaults are ours). min_p is never sent: both remote backends
+    refuse it (whether a TensorRT engine's decoder applies SamplingConfig.min_p is unverified, docs/gpu.md).
     """
     kw: dict[str, Any] = {"seed": p.seed if p.seed is not None else secrets.randbits(63)}
     if p.greedy:
@@ -38,8 +39,6 @@ def sampling_values(p: SamplingParams) -> dict[str, Any]:
             kw["top_k"] = p.top_k
         if p.top_p < 1.0 or not p.top_k:
             kw["top_p"] = p.top_p
-        if p.min_p:
-            kw["min_p"] = p.min_p
     if p.min_tokens:
         kw["min_tokens"] = p.min_tokens
     if p.repetition_penalty != 1.0:

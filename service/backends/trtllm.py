@@ -11,8 +11,12 @@ it and its responses back, the way Triton's own Python model drives it:
 - perf metrics (arrival, first scheduled, first token, last token) become the same Timing as the native
   engine's (docs/timing.md); iteration stats feed the KV and batch gauges;
 - a request's cache salt becomes the executor's cache_salt_id, so KV blocks are reused only under one salt;
-- the failure policy of the seam: a dead executor fails every stream, then exit (default) or recover (a new
-  Executor on the same engine).
+- admission refuses what the executor would only fail (trtllm_rules.py: prompts over max_input_len, or over
+  max_num_tokens without chunked context; min_p, logprobs > 0, priority); finish reasons come from a map of
+  every real FinishReason member (an unknown one fails the request, it is never reported as "length");
+- the failure policy of the seam: a dead executor fails every stream, then exit (default) or recover: every
+  reference to the old Executor is dropped and its shutdown() has returned before the next one is built, so its
+  KV pool is released first.
 tensorrt_llm is imported lazily, inside this module only.
 """
 
@@ -24,21 +28,29 @@ import importlib
 import logging
 import threading
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from build_engine import spec
-from build_engine.spec import load_engine_config
+from build_engine.spec import EngineFormatError, load_engine_config, load_trtllm_build_config
 from service.backends.base import BackendInfo
 from service.backends.remote import EndIds, RemoteRequest, sampling_values
 from service.backends.runtime import BackendRuntime
+from service.backends.trtllm_rules import (
+    PromptLimits,
+    UnknownFinishReason,
+    check_prompt,
+    check_supported,
+    finish_reasons,
+    finish_stop,
+)
 from service.config import BackendConfig
-from service.errors import BackendLoadError, EngineUnavailable, InvalidRequest
+from service.errors import BackendLoadError, EngineUnavailable
 from service.limits import check_request
 from service.request import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
-from service.stops import Stop
 from service.telemetry import BackendStats, Observer
 from service.textstream import RequestText
 from service.tokenizer import Tokenizer
@@ -48,7 +60,6 @@ logger = logging.getLogger(__name__)
 RESPONSE_WAIT = datetime.timedelta(milliseconds=50)  # await_responses returns at once when responses are ready
 STATS_PERIOD_S = 0.1  # iteration stats -> gauges (Triton's stats_check_period_ms is 100)
 POLICIES = {"guaranteed_no_evict": "GUARANTEED_NO_EVICT", "max_utilization": "MAX_UTILIZATION"}
-FINISH = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "abort", "TIMED_OUT": "abort"}
 WORKER_ENV = "TRTLLM_EXECUTOR_WORKER"  # orchestrator mode: path of TensorRT-LLM's executorWorker binary
 
 
@@ -83,16 +94,6 @@ def cache_salt_id(cache_salt: str) -> int | None:
     return int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "little")
 
 
-def check_supported(gen: GenerateRequest) -> None:
-    """Refuse, naming the field, what TensorRT-LLM cannot honour as we define it."""
-    if gen.sampling.logprobs:
-        raise InvalidRequest(
-            "output.logprobs > 0: the trtllm backend returns the chosen token's log-probability only (logprobs=0)"
-        )
-    if gen.priority:
-        raise InvalidRequest("priority: the trtllm backend schedules first come, first served (priority 0 only)")
-
-
 def _weight_format(dtype: str, weight_only: str) -> str:
     return dtype if weight_only == "none" else f"{weight_only} weight-only ({dtype} activations)"
 
@@ -113,6 +114,12 @@ class TrtllmBackend(BackendRuntime):
         if self.config.backend != "trtllm":
             raise BackendLoadError(f"{self.engine_dir} is not a TensorRT-LLM engine built by python -m build_engine")
         self.settings = spec.read_manifest(self.engine_dir).get("settings", {})
+        try:
+            build = load_trtllm_build_config(self.engine_dir)  # TensorRT-LLM's own config.json
+        except EngineFormatError as exc:
+            raise BackendLoadError(str(exc)) from None
+        self.prompt_limits = PromptLimits.of(build, cfg.trtllm.enable_chunked_context, cfg.max_num_tokens)
+        self.finish = finish_reasons(self.trt.FinishReason)  # BackendLoadError unless every member is mapped
         self.tokenizer = Tokenizer.from_engine_dir(self.engine_dir)
         self.end_ids = EndIds.of(self.config)
         self._base_info = self._info()
@@ -216,6 +223,8 @@ class TrtllmBackend(BackendRuntime):
     async def shutdown(self, timeout: float) -> None:
         self.begin_shutdown()
         await self.join(self._threads, timeout)
+        if self.executor is None:  # a recovery failed to build the next one
+            return
         try:
             self.executor.shutdown()
         except Exception:  # already dead: nothing left to release
@@ -226,6 +235,7 @@ class TrtllmBackend(BackendRuntime):
         # NOTE: no await between these checks and the reservation (atomic admission, as the native backend).
         self.check_alive()
         check_request(gen.prompt_token_ids, gen.sampling, self._base_info.limits)
+        check_prompt(len(gen.prompt_token_ids), self.prompt_limits)
         check_supported(gen)
         self.check_queue()
         request = self._request(gen)
@@ -264,9 +274,9 @@ class TrtllmBackend(BackendRuntime):
         """Cancel by the stream id ("<generation>:<executor id>"); idempotent, unknown or stale ids ignored."""
         generation, _, rid_text = req_id.partition(":")
         rid = int(rid_text)
-        with self._lock:
-            known = rid in self._live and int(generation) == self._generation
-        if known:
+        with self._lock:  # NOTE: under the lock, so a recovery never swaps the executor in the middle of a call
+            if rid not in self._live or int(generation) != self._generation:
+                return
             try:
                 self.executor.cancel_request(rid)
             except Exception:  # the executor is gone: the failure path ends the stream
@@ -281,11 +291,17 @@ class TrtllmBackend(BackendRuntime):
     # ---- response thread ---------------------------------------------------------------------------------------
     def _respond(self) -> None:
         while not self.stopping:
+            failure = None
             try:
                 responses = self.executor.await_responses(timeout=RESPONSE_WAIT)
             except Exception as exc:  # the executor died: every stream fails, then the failure policy
-                logger.exception("the executor failed; failing every request in flight")
-                if not self._after_failure(f"{type(exc).__name__} in the executor"):
+                # NOTE: logged as text: a kept traceback (exc_info in a log record) would keep the dead
+                # executor's frames, and so the executor, alive through the recovery
+                logger.error("the executor failed; failing every request in flight\n%s",
+                             "".join(traceback.format_exception(exc)))  # fmt: skip
+                failure = f"{type(exc).__name__} in the executor"
+            if failure is not None:  # outside the except block: the exception and its frames are gone
+                if not self._after_failure(failure):
                     return
                 continue
             if not responses:
@@ -308,21 +324,30 @@ class TrtllmBackend(BackendRuntime):
         self.call_in_loop(self.streams.fail_all, "internal engine error")
         self.busy(False)
         if self.admission.on_failure == "recover":
-            old = self.executor
+            self._drop_executor()  # its GPU memory (weights, KV pool) is free before the next one allocates
             try:
-                old.shutdown()
-            except Exception:  # dead already
-                logger.warning("the failed executor did not shut down cleanly")
-            try:
-                self.executor = self._new_executor()
+                executor = self._new_executor()
             except BackendLoadError:
                 logger.exception("the executor cannot be recreated")
             else:
+                with self._lock:
+                    self.executor = executor
                 self.resume_accepting()
                 logger.warning("a new executor serves after %s", reason)
                 return True
         self.mark_dead(reason)
         return False
+
+    def _drop_executor(self) -> None:
+        """Take the executor out of every hand (the lock: no abort or stats poll is inside a call to it) and wait
+        for its shutdown; this was its last reference. NOTE: shutdown() returns when the executor has stopped."""
+        with self._lock:
+            old, self.executor = self.executor, None
+        try:
+            old.shutdown()
+        except Exception:  # dead already
+            logger.warning("the failed executor did not shut down cleanly")
+        del old
 
     def _output(self, response: Any) -> RequestOutput | None:
         rid = response.request_id
@@ -338,8 +363,14 @@ class TrtllmBackend(BackendRuntime):
         new = list(result.output_token_ids[0]) if result.output_token_ids else []
         accepted, stop = live.push(new, now, self.end_ids.eos)
         finished = bool(result.is_final) or stop is not None
-        if stop is None and finished:  # the executor ended it where our rules say nothing (e.g. cancelled)
-            stop = self._finish_reason(result)
+        if stop is None and finished:  # the executor ended it where our rules say nothing (EOS, cancelled)
+            try:
+                stop = finish_stop(self.finish, result)
+            except UnknownFinishReason as exc:  # never guessed: the request fails, the executor's word logged
+                logger.error("request %d: %s", rid, exc)
+                del self._live[rid]
+                return RequestOutput(self._stream_id(rid), [], finished=True, finish_reason="error",
+                                     error="executor error")  # fmt: skip
         if finished:
             live.text.finish()  # what was held back for a possible stop string goes out
             if not result.is_final:  # we ended it first (a stop string): the executor stops too
@@ -360,11 +391,6 @@ class TrtllmBackend(BackendRuntime):
 
     def _stream_id(self, rid: int) -> str:
         return f"{self._generation}:{rid}"
-
-    @staticmethod
-    def _finish_reason(result: Any) -> Stop:
-        name = result.finish_reasons[0].name if result.finish_reasons else "LENGTH"
-        return Stop(FINISH.get(name, "length"))
 
     @staticmethod
     def _stamps(result: Any) -> tuple[float | None, ...] | None:
@@ -393,10 +419,11 @@ class TrtllmBackend(BackendRuntime):
             self._poll_once()
 
     def _poll_once(self) -> None:
-        try:
-            stats = self.executor.get_latest_iteration_stats()
-        except Exception:  # the response thread handles a dead executor
-            return
+        with self._lock:  # NOTE: see _drop_executor
+            try:
+                stats = self.executor.get_latest_iteration_stats()
+            except Exception:  # the response thread handles a dead executor (None: being replaced)
+                return
         if not stats:
             return
         s = stats[-1]

@@ -7,7 +7,12 @@ build wrote); await_responses(timeout) hands back Response objects whose Result 
 the steady clock; cancel_request ends a request with FinishReason.CANCELLED; get_latest_iteration_stats
 returns the iterations since the last call. TensorRT-LLM's sampling rule is kept too: greedy whenever top_k
 is unset/0/1 and top_p unset/0, whatever the temperature. A request's cache_salt_id salts its prefix blocks in the
-engine underneath, so KV block reuse follows the salt as it does in TensorRT-LLM.
+engine underneath, so KV block reuse follows the salt as it does in TensorRT-LLM. Finish reasons: END_ID for an
+end-id end, whose token is not returned (TensorRT-LLM "will stop at the endId, but not include it in the
+output": NVIDIA/TensorRT-LLM#2190, 2024; that 1.2.1 still does so is unverified, END_TOKEN_IN_OUTPUT switches
+it), STOP_WORDS for a stop word, returned (unverified, STOP_WORD_IN_OUTPUT switches it), LENGTH, CANCELLED.
+Admission as TensorRT-LLM's: a prompt over the engine's max_input_len, or over max_num_tokens with chunked
+context off, comes back as an error response.
 
 Test hooks (not TensorRT-LLM API): fail_next_request(message) makes the next enqueued request come back as an
 error response; crash() makes await_responses raise, as a dead executor would.
@@ -36,6 +41,9 @@ def _steady(seconds: float) -> datetime.timedelta:
 
 class ExecutorDouble(SurfaceObject):
     """Generated as bindings.executor.Executor (constructor from the JSON); behaviour below."""
+
+    END_TOKEN_IN_OUTPUT = False  # FinishReason.END_ID: the end token is not in output_token_ids
+    STOP_WORD_IN_OUTPUT = True  # FinishReason.STOP_WORDS: the stop word's token is
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -127,6 +135,9 @@ class ExecutorDouble(SurfaceObject):
         n = len(request.input_token_ids)
         if n > self._build["max_input_len"]:
             return f"[TensorRT-LLM][ERROR] input length {n} exceeds max_input_len {self._build['max_input_len']}"
+        step = self.executor_config.max_num_tokens or self._build["max_num_tokens"]
+        if not self.executor_config.enable_chunked_context and n > step:
+            return f"[TensorRT-LLM][ERROR] input length {n} exceeds max_num_tokens {step} without chunked context"
         if n + request.max_tokens > self._build["max_seq_len"]:
             return f"[TensorRT-LLM][ERROR] {n} + {request.max_tokens} exceeds max_seq_len {self._build['max_seq_len']}"
         if not request.output_config.exclude_input_from_output:
@@ -189,11 +200,13 @@ class ExecutorDouble(SurfaceObject):
         request, arrival, req = s["live"][rid]
         if out.finished:
             del s["live"][rid]
-        reason = ex["FinishReason"].NOT_FINISHED
+        reason, tokens = ex["FinishReason"].NOT_FINISHED, list(out.new_token_ids)
         if out.finished:
             reason = {"length": "LENGTH", "abort": "CANCELLED", "error": "CANCELLED"}.get(out.finish_reason or "")
             if out.finish_reason == "stop":
                 reason = "STOP_WORDS" if isinstance(out.stop_reason, int) else "END_ID"
+                shown = self.STOP_WORD_IN_OUTPUT if reason == "STOP_WORDS" else self.END_TOKEN_IN_OUTPUT
+                tokens = tokens if shown or not tokens else tokens[:-1]
             reason = getattr(ex["FinishReason"], reason)
         perf = None
         if request.output_config.return_perf_metrics:
@@ -205,11 +218,12 @@ class ExecutorDouble(SurfaceObject):
                 last_token_time=_steady(times[-1] if times else 0.0),
             )
             perf = ex["RequestPerfMetrics"]._make(timing_metrics=timing, first_iter=0, last_iter=0, iter=0)
+        logprobs = [lp.logprob for lp in out.logprobs or ()]
         result = ex["Result"]._make(
             is_final=out.finished,
-            output_token_ids=[list(out.new_token_ids)],
+            output_token_ids=[tokens],
             finish_reasons=[reason],
-            log_probs=[[lp.logprob for lp in out.logprobs or ()]] if request.output_config.return_log_probs else None,
+            log_probs=[logprobs[: len(tokens)]] if request.output_config.return_log_probs else None,
             cum_log_probs=None,
             sequence_index=0,
             is_sequence_final=out.finished,
