@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as tg
+import tritonclient.http as th
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from build_engine.triton_models.tables import REFUSED
@@ -39,7 +40,7 @@ def decoupled(smollm2_engine_dir: Path):
 @pytest.fixture(scope="module")
 def unary(smollm2_engine_dir: Path):
     """`--triton-decoupled false`: what NVIDIA's non-streaming tools address (ModelInfer on the canonical names)."""
-    with running_server(smollm2_engine_dir, triton_port=0, triton_decoupled=False) as s:
+    with running_server(smollm2_engine_dir, triton_port=0, triton_http_port=0, triton_decoupled=False) as s:
         yield s
 
 
@@ -47,11 +48,18 @@ def _url(server: ServerThread) -> str:
     return f"127.0.0.1:{server.server.triton_port}"
 
 
-def _t(name: str, arr: np.ndarray) -> tg.InferInput:
-    """The scripts' prepare_tensor: the datatype from the numpy array."""
-    t = tg.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+def _t(name: str, arr: np.ndarray, lib=tg):
+    """The scripts' prepare_tensor: the datatype from the numpy array (lib: tritonclient.grpc or .http)."""
+    t = lib.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
     t.set_data_from_numpy(arr)
     return t
+
+
+def _client(server: ServerThread, protocol: str):
+    """The tools' create_inference_server_client: tritonclient.grpc on the gRPC port, .http on the HTTP one."""
+    if protocol == "http":
+        return th, th.InferenceServerClient(f"127.0.0.1:{server.server.triton_http_port}")
+    return tg, tg.InferenceServerClient(_url(server))
 
 
 def _llm_v1(server: ServerThread, prompt: str, max_tokens: int) -> tuple[str, list[int], list[int]]:
@@ -160,7 +168,7 @@ def test_text_client_refuses_what_it_cannot_honour_by_name(decoupled: ServerThre
 
 
 # ---- inflight_batcher_llm_client.py: the token client ---------------------------------------------------------
-def _token_client_inputs(prompt_ids: list[int], streaming: bool, end_id: int, **extra) -> list[tg.InferInput]:
+def _token_client_inputs(prompt_ids: list[int], streaming: bool, end_id: int, lib=tg, **extra) -> list:
     """inflight_batcher_llm_client.py's prepare_inputs with its defaults (beam 1, temperature 1.0, top_k 1,
     top_p 0, one sequence)."""
     values = {
@@ -177,7 +185,7 @@ def _token_client_inputs(prompt_ids: list[int], streaming: bool, end_id: int, **
         "num_return_sequences": np.array([[1]], dtype=np.int32),
         **extra,
     }
-    return [_t(k, v) for k, v in values.items()]
+    return [_t(k, v, lib) for k, v in values.items()]
 
 
 def _check_ids(result, n: int | None = None) -> list[int]:
@@ -294,17 +302,18 @@ def test_unary_deployment_says_so_in_its_config(unary: ServerThread) -> None:
 
 
 # ---- end_to_end_test.py: the steps chained by hand == the ensemble -------------------------------------------
-def test_end_to_end_steps_by_hand_equal_the_ensemble(unary: ServerThread) -> None:
-    client = tg.InferenceServerClient(_url(unary))
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_end_to_end_steps_by_hand_equal_the_ensemble(unary: ServerThread, protocol: str) -> None:
+    lib, client = _client(unary, protocol)
     empty_words = np.array([[""]], dtype=object)
     try:
         pre = client.infer(
             "preprocessing",
             [
-                _t("QUERY", np.array([[PROMPT]]).astype(object)),
-                _t("BAD_WORDS_DICT", empty_words),
-                _t("STOP_WORDS_DICT", empty_words),
-                _t("REQUEST_OUTPUT_LEN", np.ones((1, 1), np.int32) * OUT_LEN),
+                _t("QUERY", np.array([[PROMPT]]).astype(object), lib),
+                _t("BAD_WORDS_DICT", empty_words, lib),
+                _t("STOP_WORDS_DICT", empty_words, lib),
+                _t("REQUEST_OUTPUT_LEN", np.ones((1, 1), np.int32) * OUT_LEN, lib),
             ],
             request_id="0",
         )
@@ -315,31 +324,34 @@ def test_end_to_end_steps_by_hand_equal_the_ensemble(unary: ServerThread) -> Non
         llm = client.infer(
             "tensorrt_llm",
             [
-                _t("input_ids", input_id),
-                _t("decoder_input_ids", pre.as_numpy("DECODER_INPUT_ID")),
-                _t("input_lengths", input_len),
-                _t("request_output_len", pre.as_numpy("REQUEST_OUTPUT_LEN")),
-                _t("end_id", pre.as_numpy("OUT_END_ID")),
-                _t("pad_id", pre.as_numpy("OUT_PAD_ID")),
-                _t("return_log_probs", np.array([[True]], dtype=bool)),
+                _t("input_ids", input_id, lib),
+                _t("decoder_input_ids", pre.as_numpy("DECODER_INPUT_ID"), lib),
+                _t("input_lengths", input_len, lib),
+                _t("request_output_len", pre.as_numpy("REQUEST_OUTPUT_LEN"), lib),
+                _t("end_id", pre.as_numpy("OUT_END_ID"), lib),
+                _t("pad_id", pre.as_numpy("OUT_PAD_ID"), lib),
+                _t("return_log_probs", np.array([[True]], dtype=bool), lib),
             ],
             request_id="0",
         )
         post = client.infer(
             "postprocessing",
-            [_t("TOKENS_BATCH", llm.as_numpy("output_ids")), _t("SEQUENCE_LENGTH", llm.as_numpy("sequence_length"))],
+            [
+                _t("TOKENS_BATCH", llm.as_numpy("output_ids"), lib),
+                _t("SEQUENCE_LENGTH", llm.as_numpy("sequence_length"), lib),
+            ],
             request_id="0",
         )
         ens = client.infer(
             "ensemble",
             [
-                _t("text_input", np.array([[PROMPT]]).astype(object)),
-                _t("max_tokens", np.ones((1, 1), np.int32) * OUT_LEN),
-                _t("bad_words", empty_words),
-                _t("stop_words", empty_words),
-                _t("return_log_probs", np.array([[True]], dtype=bool)),
+                _t("text_input", np.array([[PROMPT]]).astype(object), lib),
+                _t("max_tokens", np.ones((1, 1), np.int32) * OUT_LEN, lib),
+                _t("bad_words", empty_words, lib),
+                _t("stop_words", empty_words, lib),
+                _t("return_log_probs", np.array([[True]], dtype=bool), lib),
             ],
-            outputs=[tg.InferRequestedOutput(n) for n in ("text_output", "cum_log_probs", "output_log_probs")],
+            outputs=[lib.InferRequestedOutput(n) for n in ("text_output", "cum_log_probs", "output_log_probs")],
             request_id="0",
         )
         assert post.as_numpy("OUTPUT").shape == (1,) and ens.as_numpy("text_output").shape == (1,)
@@ -382,27 +394,28 @@ def test_step_models_refuse_bad_input_by_name(unary: ServerThread) -> None:
 # ---- benchmark_core_model.py dataset mode: token ids to tensorrt_llm, concurrently -----------------------------
 def test_benchmark_core_model_dataset_requests(unary: ServerThread, decoupled: ServerThread) -> None:
     """Its dataset mode sends each prompt's ids with end_id / pad_id from the tokenizer and reads
-    outputs[0]['shape'][2] (output_ids first, three dims) from the JSON form of each response."""
+    outputs[0]['shape'][2] (output_ids first, three dims) from the JSON form of each response, over gRPC
+    (ModelInfer, or a stream with --decoupled) and HTTP."""
     prompts = ["The capital of France is", "Write one sentence about the sea.", "List three colors:"]
     tok = unary.server.backend.tokenizer
     eos = unary.server.backend.info.eos_token_ids[0]
-    for server, stream in ((unary, False), (decoupled, True)):
+    for way in ("grpc", "http", "grpc-decoupled"):
         for prompt in prompts:
             ids = tok.encode(prompt)
-            inputs = _token_client_inputs(ids, False, end_id=eos)
-            if stream:
-                run = stream_once(_url(server), "tensorrt_llm", inputs)
+            if way == "grpc-decoupled":
+                run = stream_once(_url(decoupled), "tensorrt_llm", _token_client_inputs(ids, False, end_id=eos))
                 results = [r for r in run.results if r.get_output("output_ids") is not None]
                 assert not run.errors and len(results) == 1
-                result = results[0]
+                result, first = results[0], results[0].get_response(as_json=True)["outputs"][0]
             else:
-                client = tg.InferenceServerClient(_url(server))
+                lib, client = _client(unary, way)
                 try:
-                    result = client.infer("tensorrt_llm", inputs)
+                    result = client.infer("tensorrt_llm", _token_client_inputs(ids, False, end_id=eos, lib=lib))
                 finally:
                     client.close()
-            first = result.get_response(as_json=True)["outputs"][0]
-            assert first["name"] == "output_ids" and len(first["shape"]) == 3
+                response = result.get_response(as_json=True) if way == "grpc" else result.get_response()
+                first = response["outputs"][0]
+            assert first["name"] == "output_ids" and len(first["shape"]) == 3, way
             _check_ids(result)
 
 
