@@ -1673,8 +1673,6 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1,
 PyMODINIT_FUNC PyInit__kernels(void) {
     __builtin_cpu_init();
     g_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-    const char *force = getenv("QUANT_KERNELS_GENERIC");
-    if (force && *force && *force != '0') g_avx2 = 0;
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     P.nthreads = ncpu < 1 ? 1 : (ncpu > MAX_THREADS ? MAX_THREADS : (int)ncpu);
     pthread_atfork(NULL, NULL, pool_after_fork_child);
