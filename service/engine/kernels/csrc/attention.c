@@ -20,7 +20,7 @@ typedef struct {
     int n, ctx, ctx_pad, H, KV, hd, nqb;
     const int64_t *table; /* paged: k, v are a layer's cache [num_blocks][bs][KV][hd], key j in block table[j/bs] */
     int bs;
-} attn_t;
+} __attribute__((aligned(CACHE_LINE))) attn_t; /* whole cache lines (kernels.h) */
 
 
 /* AVX2 path (hd a multiple of 16, at most 256), flash-attention order: for each tile of AK_TILE keys, every

@@ -21,7 +21,7 @@ typedef struct {
     _Atomic int failed;
     int S;          /* key splits per (sequence, head chunk); 1: no partials */
     float *po, *pm; /* S > 1: partial outputs [task][4][hd], max and exp-sum [task][4][2] */
-} dattn_t;
+} __attribute__((aligned(CACHE_LINE))) dattn_t; /* whole cache lines (kernels.h) */
 
 AVX2_INLINE void dattn_avx2(dattn_t *A, int b, int h0, const int R, float *s, int j0, int j1, int part) {
     const int hd = A->hd, KV = A->KV, bs = A->bs, kvh = h0 / (A->H / KV), ctx = j1 - j0, nv = hd / 8;

@@ -27,8 +27,15 @@
 #define KIND_Q4 0
 #define KIND_Q8 1
 #define MAX_THREADS 16
+/* A job's description (job_t, attn_t, dattn_t) lives on the caller's stack and every task reads it: aligned to
+ * whole cache lines, so no stack word the caller writes while it runs tasks itself shares a line with it. A
+ * shared line made jobs of small tasks (a decode step's GEMVs, decode attention) up to ~1.6x slower in some
+ * processes and not in others (the stack's offset is random); main's single-file build showed it too. */
+#define CACHE_LINE 64
 
-extern int g_avx2; /* the AVX2 kernels run (module.c: CPU check at import, force_generic) */
+/* the AVX2 kernels run (module.c: CPU check at import, force_generic); read by every task, so on a cache line
+ * that nothing written often shares */
+extern int g_avx2;
 
 /* ---- pool.c: nthreads-1 workers + the calling thread; a job is fn(ctx, task) for task in [0, ntasks) ---- */
 typedef void (*task_fn)(void *ctx, int task);

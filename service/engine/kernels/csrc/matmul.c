@@ -62,7 +62,7 @@ typedef struct {
     float *out_t; /* dequantize_t: [cols][ldo] */
     int ldo;
     _Atomic int failed; /* a task could not allocate its scratch panel */
-} job_t;
+} __attribute__((aligned(CACHE_LINE))) job_t; /* whole cache lines (kernels.h) */
 
 /* ==================================== portable fallback ========================================== */
 static void dequant_tile_generic(int kind, const uint8_t *tile, int nblk, float *out, size_t ldo) {

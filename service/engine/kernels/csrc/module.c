@@ -8,7 +8,7 @@
 #include "args.h"
 #include "kernels.h"
 
-int g_avx2 = 0;
+int g_avx2 __attribute__((aligned(CACHE_LINE))) = 0;
 
 #define INT(name, lo, hi) {name, ARG_INT, lo, hi, 0, NULL}
 #define FLOAT(name) {name, ARG_FLOAT, 0, 0, 0, NULL}
