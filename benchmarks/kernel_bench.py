@@ -1,4 +1,4 @@
-"""The quant kernels (service/engine/quant) against fp32 BLAS over the same matrices dequantized, in one run.
+"""The quant kernels (service/engine/kernels/matmul.py) against fp32 BLAS over the same matrices dequantized, in one run.
 
     python -m benchmarks.kernel_bench --engine engines/smollm2-135m [SECTION ...] [--reps 7] [--wait-quiet S] [--write]
 
@@ -36,7 +36,9 @@ import numpy as np
 
 from benchmarks.common import CpuMeter, machine_line, publish, wait_for_quiet
 from build_engine.packing import PackedMatrix, dequantize_packed
-from service.engine.quant import kernels as qk
+from service.engine.kernels import matmul as qk
+from service.engine.kernels.backend import BACKEND
+from service.engine.kernels.threads import openblas_threads
 from service.engine.runners.numpy_runner import NumpyRunner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,7 +103,7 @@ class Bench:
 
 def set_threads(ours: int, blas: int) -> None:
     qk.set_num_threads(ours)
-    qk.openblas_threads(blas)
+    openblas_threads(blas)
 
 
 def load(engine: str) -> tuple[list[PackedMatrix], PackedMatrix | None]:
@@ -174,12 +176,12 @@ def kernel_comparison(b: Bench, mats, dq, xs, ys, reps: int) -> list[str]:
     """Decode over the whole set with every backend: C AVX2 and portable C on our pool, numba, fp32 BLAS."""
     nw = sum(m.size for m in mats)
     ours, blas = _set_fns(mats, dq, xs, ys)
-    ext = qk._qk  # the C extension module, None where it is not built
+    ext = BACKEND.ext  # the C extension module, None where it is not built
     one: dict[str, Callable] = {"c1": ours}
     two: dict[str, Callable] = {"c2": ours}
     labels = {
-        "c1": f"C {qk.backend()[2:]}, 1 thread",
-        "c2": f"C {qk.backend()[2:]}, 2 threads (own pool)",
+        "c1": f"C {BACKEND.name[2:]}, 1 thread",
+        "c2": f"C {BACKEND.name[2:]}, 2 threads (own pool)",
     }
     if ext is not None and ext.isa() != "generic":
 
@@ -193,10 +195,7 @@ def kernel_comparison(b: Bench, mats, dq, xs, ys, reps: int) -> list[str]:
         two["generic2"] = generic
         labels["generic2"] = "C portable (QUANT_KERNELS_GENERIC=1), 2 threads"
     layer = ""
-    try:
-        from service.engine.quant import numba_kernels as nk
-    except ImportError:
-        nk = None
+    nk = BACKEND.numba  # None where numba is not installed
     if nk is not None:
 
         def numba_fn(n: int) -> Callable:
@@ -367,12 +366,12 @@ def pool_child(engine: str, kernel: str, blas_threads: int, workload: str, steps
         def mm(i, m, y):
             qk.matmul(xs[m.cols], m, out=y)
     else:
-        from service.engine.quant import numba_kernels as nk
+        nk = BACKEND.numba
 
         def mm(i, m, y):
             nk.matmul(xs[m.cols], m, y, 2)
 
-    qk.openblas_threads(blas_threads)  # after NumpyRunner, which sets 1 for packed engines
+    openblas_threads(blas_threads)  # after NumpyRunner, which sets 1 for packed engines
     rows = 3 * 512 if workload == "prefill" else 3  # grouped query rows per KV head
     q = rng.standard_normal((3, rows, 64)).astype(np.float32)  # [KV, rows, hd]
     kt = rng.standard_normal((3, 64, 512)).astype(np.float32)
@@ -481,7 +480,7 @@ def main() -> None:
         "## Quant kernels vs fp32 BLAS (`python -m benchmarks.kernel_bench`)",
         "",
         f"Command: `{shlex.join(['python', '-m', 'benchmarks.kernel_bench', *sys.argv[1:]])}`  ",
-        f"Machine: {machine_line()}. Kernel backend {qk.backend()}. Engine {args.engine}: {len(mats)} layer "
+        f"Machine: {machine_line()}. Kernel backend {BACKEND.name}. Engine {args.engine}: {len(mats)} layer "
         f"matrices ({fmt_of(mats)}, {sum(m.size for m in mats) / 1e6:.1f} M weights, "
         f"{sum(m.nbytes for m in mats) / 1e6:.1f} MB)"
         + (f", LM head {head.source_format or head.kind} [{head.rows}, {head.cols}]" if head is not None else "")

@@ -1,5 +1,5 @@
 """The packed weight layout of the native engine: GGUF quantized blocks (Q4_0, Q4_1, Q8_0) in the tiled form the
-quant kernels (service/engine/quant/kernels.py) read. Part of the engine-directory contract (like spec.py).
+quant kernels (service/engine/kernels/matmul.py) read. Part of the engine-directory contract (like spec.py).
 
 GGUF stores a matrix [rows, cols] row by row, each row as cols/32 blocks (ggml's block structs):
   Q4_0  18 bytes: fp16 d, 16 bytes qs            weight = d * (q - 8)    q = 4-bit nibble 0..15

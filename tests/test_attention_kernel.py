@@ -1,4 +1,4 @@
-"""The compiled causal attention (service/engine/quant/_kernels.c) against the numpy one it replaces.
+"""The compiled causal attention (service/engine/kernels/csrc/attention.c) against the numpy one it replaces.
 
 Shapes cover the AVX2 path (head_dim a multiple of 16) and the portable one (other head sizes, or forced),
 GQA groups of 1 to 6 query heads per KV head, a first prefill chunk (n == ctx) and later ones (n < ctx), one
@@ -10,12 +10,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.engine.quant import kernels as quant
-from service.engine.runners.kernels import causal_attention_numpy
+from service.engine.kernels.attention import (
+    causal_attention,
+    causal_attention_numpy,
+    paged_attention_in_place,
+    paged_causal_attention,
+)
+from service.engine.kernels.backend import BACKEND
+from service.engine.kernels.paged_attention import DecodeAttention
 
 pytestmark = pytest.mark.skipif(
-    quant.attention(np.zeros((1, 1, 16), np.float32), *[np.zeros((1, 1, 16), np.float32)] * 2) is None,
-    reason="the C extension is not built (pip install -e . with a C compiler)",
+    BACKEND.ext is None, reason="the C extension is not built (pip install -e . with a C compiler)"
 )
 SHAPES = [  # n, ctx, heads, kv_heads, head_dim
     (512, 512, 9, 3, 64),
@@ -31,11 +36,9 @@ SHAPES = [  # n, ctx, heads, kv_heads, head_dim
 
 @pytest.fixture(params=[False, True], ids=["native-isa", "portable"])
 def isa(request: pytest.FixtureRequest):
-    from service.engine.quant import _kernels
-
-    _kernels.force_generic(request.param)
+    BACKEND.ext.force_generic(request.param)
     yield
-    _kernels.force_generic(False)
+    BACKEND.ext.force_generic(False)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}-ctx{}-h{}-kv{}-hd{}".format(*s))
@@ -47,7 +50,7 @@ def test_compiled_attention_equals_numpy(shape: tuple, threads: int, isa) -> Non
     k = rng.standard_normal((ctx, kv_heads, hd), dtype=np.float32) * 2
     v = rng.standard_normal((ctx, kv_heads, hd), dtype=np.float32)
     ref = causal_attention_numpy(q, k, v)  # [n, H * hd]
-    out = quant.attention(q, k, v, threads)
+    out = causal_attention(q, k, v, threads)
     assert out.shape == ref.shape
     assert float(np.abs(out - ref).max() / np.abs(ref).max()) < 1e-5
 
@@ -57,8 +60,6 @@ def test_compiled_attention_equals_numpy(shape: tuple, threads: int, isa) -> Non
 def test_paged_attention_reads_the_blocks_in_place(shape: tuple, threads: int, isa) -> None:
     """The same attention read through a block table from a paged cache (scattered blocks, a partial last one):
     bitwise the contiguous kernel's result; None where only the portable path could run (the caller gathers)."""
-    from service.engine.runners.kernels import paged_causal_attention
-
     n, ctx, heads, kv_heads, hd = shape
     rng = np.random.default_rng(n * 7 + ctx)
     bs = 16
@@ -69,32 +70,28 @@ def test_paged_attention_reads_the_blocks_in_place(shape: tuple, threads: int, i
     table = rng.permutation(len(k_layer))[:nblk].astype(np.int64)
     k = k_layer[table].reshape(-1, kv_heads, hd)[:ctx]
     v = v_layer[table].reshape(-1, kv_heads, hd)[:ctx]
-    paged = quant.paged_attention(q, k_layer, v_layer, table, ctx, threads)
-    contiguous = quant.attention(q, k, v, threads)
+    paged = paged_attention_in_place(q, k_layer, v_layer, table, ctx, threads)
+    contiguous = causal_attention(q, k, v, threads)
     if paged is None:  # the portable path: the runner gathers, then attention()
         assert hd % 16 or hd > 256 or quant_is_generic()
     else:
         assert np.array_equal(paged, contiguous)
-    np.testing.assert_array_equal(paged_causal_attention(q, k_layer, v_layer, table, ctx), contiguous)
+    np.testing.assert_array_equal(paged_causal_attention(q, k_layer, v_layer, table, ctx, threads), contiguous)
 
 
 def quant_is_generic() -> bool:
-    from service.engine.quant import _kernels
-
     out = np.empty((1, 16), np.float32)
     one = np.zeros((1, 1, 1, 16), np.float32)
-    return not _kernels.paged_attention(np.zeros((1, 1, 16), np.float32), one, one, np.zeros(1, np.int64), out,
+    return not BACKEND.ext.paged_attention(np.zeros((1, 1, 16), np.float32), one, one, np.zeros(1, np.int64), out,
                                         1, 1, 1, 1, 16, 1, 1, 1)  # fmt: skip
 
 
 def test_paged_attention_refuses_block_ids_outside_the_cache() -> None:
-    from service.engine.quant import _kernels
-
     q = np.zeros((2, 2, 16), np.float32)
     cache = np.zeros((4, 16, 1, 16), np.float32)
     with pytest.raises(ValueError, match="block id 4 out of range"):
-        _kernels.paged_attention(q, cache, cache, np.array([0, 4], np.int64), np.empty((2, 32), np.float32),
-                                 2, 20, 2, 1, 16, 16, 4, 1)  # fmt: skip
+        BACKEND.ext.paged_attention(q, cache, cache, np.array([0, 4], np.int64), np.empty((2, 32), np.float32),
+                                    2, 20, 2, 1, 16, 16, 4, 1)  # fmt: skip
 
 
 def test_large_scores_do_not_overflow() -> None:
@@ -102,31 +99,24 @@ def test_large_scores_do_not_overflow() -> None:
     q = rng.standard_normal((20, 2, 64), dtype=np.float32) * 30  # scores in the thousands
     k = rng.standard_normal((40, 1, 64), dtype=np.float32)
     v = rng.standard_normal((40, 1, 64), dtype=np.float32)
-    out = quant.attention(q, k, v)
+    out = causal_attention(q, k, v, 0)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, causal_attention_numpy(q, k, v), rtol=1e-4, atol=1e-5)
 
 
 def test_bad_shapes_are_refused() -> None:
-    from service.engine.quant import _kernels
-
     q = np.zeros((4, 3, 16), np.float32)
     kv = np.zeros((2, 1, 16), np.float32)  # ctx 2 < n 4
     with pytest.raises(ValueError, match="n <= ctx"):
-        _kernels.attention(q, kv, kv, np.empty((4, 48), np.float32), 4, 2, 3, 1, 16, 1)
+        BACKEND.ext.attention(q, kv, kv, np.empty((4, 48), np.float32), 4, 2, 3, 1, 16, 1)
     with pytest.raises(ValueError, match="too small"):
-        _kernels.attention(q, kv, kv, np.empty((4, 48), np.float32), 4, 8, 3, 1, 16, 1)
+        BACKEND.ext.attention(q, kv, kv, np.empty((4, 48), np.float32), 4, 8, 3, 1, 16, 1)
 
 
 @pytest.mark.parametrize("lens", [(1500,), (2000, 300), (700, 513, 64)], ids=str)
 def test_split_key_decode_attention_equals_float64(lens: tuple[int, ...]) -> None:
     """Few sequences with long contexts take the split-K path on the pool (partials combined); short ones and
     1-thread calls do not: all must equal a float64 softmax over the same paged keys."""
-    from service.engine.runners.kernels import attention_threads, use_blas_threads, use_quant_threads
-    from service.engine.runners.paged_attention import DecodeAttention
-
-    if quant.extension() is None:
-        pytest.skip("the compiled kernels extension is not built")
     rng = np.random.default_rng(len(lens))
     H, KV, hd, bs = 9, 3, 64, 16  # SmolLM2's heads
     tables = [rng.permutation(200)[: -(-n // bs)] + 0 for n in lens]
@@ -134,14 +124,8 @@ def test_split_key_decode_attention_equals_float64(lens: tuple[int, ...]) -> Non
     v = rng.standard_normal((200, bs, KV, hd), dtype=np.float32)
     q = rng.standard_normal((len(lens), H, hd), dtype=np.float32) * 0.3
     prepared = DecodeAttention.prepare([t.astype(np.int64) for t in tables], np.array(lens))
-    before = attention_threads()
-    try:
-        results = []
-        for setup in (use_quant_threads, use_blas_threads):  # the pool (split-K), then the calling thread
-            setup()
-            results.append(DecodeAttention(use_c=True)(q, k, v, prepared))
-    finally:
-        (use_quant_threads if before == 0 else use_blas_threads)()
+    # the pool (split-K), then the calling thread
+    results = [DecodeAttention("c")(q, k, v, prepared, threads) for threads in (0, 1)]
     for b, n in enumerate(lens):
         slots = np.concatenate([np.arange(bs) + blk * bs for blk in tables[b]])[:n]
         kb = k.reshape(-1, KV, hd)[slots].astype(np.float64)  # [n, KV, hd]

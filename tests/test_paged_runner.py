@@ -9,10 +9,9 @@ import pytest
 
 from build_engine.builder import build
 from build_engine.tiny import write_tiny_checkpoint
-from service.engine.quant import kernels as quant
+from service.engine.kernels.backend import BACKEND
 from service.engine.runners.base import ForwardBatch, SeqChunk
 from service.engine.runners.numpy_runner import NumpyRunner
-from service.engine.runners.paged_attention import HAVE_NUMBA, DecodeAttention
 from tests.naive_llama import NaiveLlama
 
 MAX_REL_ERR = 1e-4
@@ -28,11 +27,13 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), seed=7, **VARIANTS[request.param])
 
 
-def _runner(checkpoint: Path, tmp: Path, block_size: int, num_blocks: int, compiled: bool = True) -> NumpyRunner:
+def _runner(
+    checkpoint: Path, tmp: Path, block_size: int, num_blocks: int, decode: str = BACKEND.decode_attention
+) -> NumpyRunner:
     out = tmp / f"engine-bs{block_size}"
     if not out.exists():
         build(str(checkpoint), out, {"kv_block_size": block_size, "max_seq_len": 512}, progress=False)
-    return NumpyRunner(out, num_kv_blocks=num_blocks, compiled_attention=compiled)
+    return NumpyRunner(out, num_kv_blocks=num_blocks, decode_attention=decode)
 
 
 def _rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -44,11 +45,10 @@ def _rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 def test_paged_matches_naive_for_random_mixed_batches(
     checkpoint: Path, tmp_path: Path, block_size: int, decode: str
 ) -> None:
-    if decode == "numba" and not HAVE_NUMBA:
+    if decode == "numba" and BACKEND.numba is None:
         pytest.skip("numba is not installed")
-    if decode == "c" and quant.extension() is None:
+    if decode == "c" and BACKEND.ext is None:
         pytest.skip("the compiled kernels extension is not built (LLM_QUANT_KERNELS, or no compiler)")
-    compiled = decode != "numpy"
     rng = np.random.default_rng(block_size)
     vocab = 267
     lengths = rng.integers(1, 90, size=6)  # each sequence's total tokens (prompt + "decoded")
@@ -56,10 +56,8 @@ def test_paged_matches_naive_for_random_mixed_batches(
     seqs = [rng.integers(0, vocab, size=n).tolist() for n in lengths]
     blocks_needed = [-(-n // block_size) for n in lengths]
     num_blocks = sum(blocks_needed) + 3
-    runner = _runner(checkpoint, tmp_path, block_size, num_blocks, compiled)
-    assert (runner.decode_attention is not None) == compiled
-    if compiled:
-        runner.decode_attention = DecodeAttention(use_c=decode == "c")
+    runner = _runner(checkpoint, tmp_path, block_size, num_blocks, decode)
+    assert (runner.decode_attention.kind if runner.decode_attention else "numpy") == decode
     pool = rng.permutation(num_blocks).tolist()  # shuffled block ids, handed out in that order
     tables = [[pool.pop() for _ in range(k)] for k in blocks_needed]
     naive = NaiveLlama(checkpoint)

@@ -23,7 +23,9 @@ from build_engine.tensor_io import SafetensorsFile, write_safetensors
 from build_engine.tiny import write_tiny_checkpoint
 from service.backends.native import _info as native_info
 from service.engine.core import EngineCore
-from service.engine.quant import kernels
+from service.engine.kernels import matmul as kernels
+from service.engine.kernels import threads
+from service.engine.kernels.backend import BACKEND
 from service.engine.runners.base import ForwardBatch, SeqChunk
 from service.engine.runners.numpy_runner import NumpyRunner
 from service.engine.stats import StepCost
@@ -136,14 +138,14 @@ def test_kernel_backends_agree_and_rows_lookup(tmp_path: Path) -> None:
         ref = x.astype(np.float64) @ dequantize_packed(w).T.astype(np.float64)
         for path in ("direct", "panel", "blas"):
             assert _rel_err(kernels.matmul(x, w, path=path), ref) <= 1e-6, (rows, path)
-            if kernels.backend() == "c-avx2":  # the extension's portable path too
-                kernels._qk.force_generic(True)
+            if BACKEND.name == "c-avx2":  # the extension's portable path too
+                BACKEND.ext.force_generic(True)
                 try:
                     assert _rel_err(kernels.matmul(x, w, path=path), ref) <= 1e-6, (rows, path, "portable")
                 finally:
-                    kernels._qk.force_generic(False)
+                    BACKEND.ext.force_generic(False)
         fallback = np.empty((rows, w.rows), np.float32)
-        kernels._fallback_matmul(x, w, fallback)  # numba where it is installed, else numpy
+        kernels.fallback_matmul(x, w, fallback)  # numba where it is installed, else numpy
         assert _rel_err(fallback, ref) <= 1e-6
     ids = np.array([0, 5, 31, 32, 266])
     np.testing.assert_array_equal(dequantize_rows(runner.embed, ids), dequantize_packed(runner.embed)[ids])
@@ -151,14 +153,14 @@ def test_kernel_backends_agree_and_rows_lookup(tmp_path: Path) -> None:
 
 def test_ceilings_are_measured_on_default_blas_threads() -> None:
     """A packed engine sets OpenBLAS to 1 thread; the machine's GEMM ceiling must not be measured on that."""
-    _, getter = kernels._openblas_lib()
+    _, getter = threads._openblas_lib()
     if getter is None:
         pytest.skip("numpy's BLAS is not a findable OpenBLAS")
     before = int(getter())
     try:
-        kernels.openblas_threads(1)
-        with kernels.default_blas_threads():
-            assert int(getter()) == kernels.DEFAULT_BLAS_THREADS
+        threads.openblas_threads(1)
+        with threads.default_blas_threads():
+            assert int(getter()) == threads.DEFAULT_BLAS_THREADS
         assert int(getter()) == 1  # the engine's setting is back
     finally:
-        kernels.openblas_threads(before)
+        threads.openblas_threads(before)

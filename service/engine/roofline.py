@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from service.engine.quant.kernels import default_blas_threads
+from service.engine.kernels.threads import default_blas_threads
 from service.telemetry import Ceilings
 
 

@@ -18,20 +18,20 @@ from build_engine import spec
 from build_engine.packing import PackedMatrix, from_stored
 from build_engine.spec import EngineConfig, load_engine_config
 from build_engine.tensor_io import SafetensorsFile
-from service.engine.runners.base import ForwardBatch
-from service.engine.runners.kernels import (
+from service.engine.kernels.attention import paged_causal_attention
+from service.engine.kernels.backend import BACKEND
+from service.engine.kernels.ops import (
     apply_rope,
     embedding_rows,
     linear,
-    paged_causal_attention,
     rms_normalize,
     rope_tables,
     silu_mul,
-    use_blas_threads,
-    use_quant_threads,
     write_kv,
 )
-from service.engine.runners.paged_attention import HAVE_COMPILED, DecodeAttention
+from service.engine.kernels.paged_attention import DecodeAttention
+from service.engine.kernels.threads import ThreadPolicy
+from service.engine.runners.base import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 class AttentionPlan:
     """How one step's attention is split, worked out once per step and reused by every layer."""
 
-    decode_seqs: list[int]  # sequences with a single new token: the compiled paged kernel (C, else numba)
+    decode_seqs: list[int]  # sequences with a single new token: the paged decode kernel (C, else numba)
     decode_tokens: np.ndarray  # [Bd] their token rows in the flat batch
     decode_inputs: tuple | None  # DecodeAttention.prepare() of their block tables
     other_seqs: list[int]  # prefill chunks: causal attention over gathered blocks (C, else numpy)
@@ -61,14 +61,17 @@ class LayerWeights:
 
 
 class NumpyRunner:
-    """Owns the weights (memory-mapped) and the KV cache arrays."""
+    """Owns the weights (memory-mapped), the KV cache arrays and its thread policy.
+
+    decode_attention: "c", "numba" (DecodeAttention) or "numpy" (gathered blocks, attention.py); the
+    process's choice (kernels/backend.py) unless a test asks for another."""
 
     def __init__(
         self,
         engine_dir: str | Path,
         num_kv_blocks: int,
         config: EngineConfig | None = None,
-        compiled_attention: bool = HAVE_COMPILED,
+        decode_attention: str = BACKEND.decode_attention,
     ) -> None:
         self.config = config or load_engine_config(engine_dir)
         arch = self.config.arch
@@ -96,6 +99,7 @@ class NumpyRunner:
             mats = (matrix(p + n) for n in ("qkv", "o", "gate_up", "down"))
             self.layers.append(LayerWeights(*mats, *norms, q_scale))
         self.packed = bool(packed)
+        self.threads = ThreadPolicy.for_weights(self.packed)
         self.bind_threads()
         factors = w.get("rope_freq_factors") if arch.rope_freq_factors else None
         self.rope = rope_tables(self.config.limits.max_seq_len, arch.head_dim, arch.rope_theta, factors)  # [2, P, hd/2]
@@ -107,7 +111,7 @@ class NumpyRunner:
         self.v_cache = np.empty(kv_shape, dtype=np.float32)  # [L, num_blocks, block_size, KV, hd]
         self.k_cache.fill(0.0)
         self.v_cache.fill(0.0)
-        self.decode_attention = DecodeAttention() if compiled_attention else None
+        self.decode_attention = DecodeAttention(decode_attention) if decode_attention != "numpy" else None
         logger.info(
             "KV cache: %d blocks x %d tokens, %.1f MiB (resident)",
             num_kv_blocks,
@@ -116,12 +120,9 @@ class NumpyRunner:
         )
 
     def bind_threads(self) -> None:
-        """Set the process's thread pools for this engine's weights (the constructor does; a process that runs
-        several engines in turn, like the benchmarks, calls it before each)."""
-        if self.packed:
-            use_quant_threads()
-        else:
-            use_blas_threads()
+        """Set OpenBLAS's threads (process-wide) for this engine's policy (the constructor does; a process that
+        runs several engines in turn, like the benchmarks, calls it before each)."""
+        self.threads.bind()
 
     @property
     def weight_bytes(self) -> int:
@@ -175,14 +176,17 @@ class NumpyRunner:
     def _attention(self, layer: int, q: np.ndarray, batch: ForwardBatch, plan: AttentionPlan) -> np.ndarray:
         # q: [T, H, hd] -> [T, H * hd]
         k_layer, v_layer = self.k_cache[layer], self.v_cache[layer]  # [num_blocks, block_size, KV, hd]
+        threads = self.threads.attention_threads
         if not plan.other_seqs:  # a pure decode step: every token is its sequence's one query, in order
-            return self.decode_attention(q, k_layer, v_layer, plan.decode_inputs).reshape(batch.num_tokens, -1)
+            out = self.decode_attention(q, k_layer, v_layer, plan.decode_inputs, threads)
+            return out.reshape(batch.num_tokens, -1)
         out = np.empty((batch.num_tokens, self.n_heads * self.head_dim), dtype=np.float32)
         if plan.decode_seqs:
             rows = plan.decode_tokens
-            out[rows] = self.decode_attention(q[rows], k_layer, v_layer, plan.decode_inputs).reshape(len(rows), -1)
+            decoded = self.decode_attention(q[rows], k_layer, v_layer, plan.decode_inputs, threads)
+            out[rows] = decoded.reshape(len(rows), -1)
         qsl = batch.query_start_loc
         for b in plan.other_seqs:  # one causal attention per sequence over the blocks of its table
-            ctx, table = int(batch.seq_lens[b]), batch.block_tables[b]
-            out[qsl[b] : qsl[b + 1]] = paged_causal_attention(q[qsl[b] : qsl[b + 1]], k_layer, v_layer, table, ctx)
+            ctx, table, rows = int(batch.seq_lens[b]), batch.block_tables[b], slice(qsl[b], qsl[b + 1])
+            out[rows] = paged_causal_attention(q[rows], k_layer, v_layer, table, ctx, threads)
         return out

@@ -1,13 +1,17 @@
-"""numba kernels over the same packed layout as the C extension (quant_pack): the fallback where the C extension
-is not built, and the baseline the C kernels were measured against (docs/benchmarks.md).
+"""numba kernels: the fallback where the C extension is not built (backend.py), and the baseline the C kernels
+were measured against (docs/kernels.md). Importing this module fails where numba is missing.
 
-numba has no fast fp16 path, so the fp16 d/m of each chunk are converted once per matrix into fp32 arrays
-(cached on first use; exact). Decode (T <= 4) uses per-block partial sums vectorized across the 32 rows of a
-tile; larger T dequantizes one tile into an fp32 panel and runs a row-blocked loop (LLVM vectorizes over rows).
+Quantized matmul, over the same packed layout as the C extension (build_engine/packing.py): numba has no fast
+fp16 path, so the fp16 d/m of each chunk are converted once per matrix into fp32 arrays (cached on first use;
+exact); per-block partial sums vectorized across the 32 rows of a tile.
+
+Decode attention over the paged KV cache (paged_attention.py), single-threaded: OpenMP (parallel) numba kernels
+stall next to OpenBLAS's threads by ~8 ms a call.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import numpy as np
@@ -121,3 +125,53 @@ def matmul(x: np.ndarray, w: PackedMatrix, y: np.ndarray, nthreads: int = 1) -> 
             _q8_tiles(w.data, d, x, yp, 0, nt)
     if yp is not y:
         y[...] = yp[:, : w.rows]
+
+
+@njit(cache=True, fastmath=True, nogil=True)
+def decode_attention(q, k_cache, v_cache, tables, table_starts, seq_lens, out):  # pragma: no cover - compiled
+    # q: [B, H, hd] one query per sequence (scaled); k_cache, v_cache: [num_blocks, bs, KV, hd] of one layer
+    # tables: flat block ids, sequence b's table at tables[table_starts[b]:table_starts[b + 1]]
+    # seq_lens: [B] keys visible to each query; out: [B, H, hd]
+    n_seqs, n_heads, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    group = n_heads // k_cache.shape[2]
+    max_ctx = 1
+    for b in range(n_seqs):
+        max_ctx = max(max_ctx, seq_lens[b])
+    scores = np.empty((n_heads, max_ctx), dtype=np.float32)
+    acc = np.empty((n_heads, head_dim), dtype=np.float32)
+    for b in range(n_seqs):
+        ctx = seq_lens[b]
+        t0 = table_starts[b]
+        for j in range(ctx):  # one pass over the keys, each cache row [KV, hd] read once, in place
+            blk = tables[t0 + j // block_size]
+            off = j % block_size
+            for h in range(n_heads):
+                s = np.float32(0.0)
+                for d in range(head_dim):
+                    s += q[b, h, d] * k_cache[blk, off, h // group, d]
+                scores[h, j] = s
+        for h in range(n_heads):  # softmax per head
+            m = scores[h, 0]
+            for j in range(1, ctx):
+                m = max(m, scores[h, j])
+            total = np.float32(0.0)
+            for j in range(ctx):
+                e = math.exp(scores[h, j] - m)
+                scores[h, j] = e
+                total += e
+            inv = np.float32(1.0) / total
+            for j in range(ctx):
+                scores[h, j] *= inv
+            for d in range(head_dim):
+                acc[h, d] = 0.0
+        for j in range(ctx):  # one pass over the values
+            blk = tables[t0 + j // block_size]
+            off = j % block_size
+            for h in range(n_heads):
+                p = scores[h, j]
+                for d in range(head_dim):
+                    acc[h, d] += p * v_cache[blk, off, h // group, d]
+        for h in range(n_heads):
+            for d in range(head_dim):
+                out[b, h, d] = acc[h, d]

@@ -1,21 +1,19 @@
-"""Small named numpy kernels of the Llama forward pass (llama2.c style: one job each, shapes in comments)."""
+"""Small named kernels of the Llama forward pass (llama2.c style: one job each, shapes in comments).
+
+Each runs compiled (csrc/elementwise.c) where the extension is built (backend.py) and in numpy otherwise; one C
+call replaces 3-6 numpy passes, which is most of a decode step's non-matmul time. Attention is attention.py
+(prefill chunks) and paged_attention.py (decode), the quantized matmuls matmul.py.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 from build_engine.packing import PackedMatrix, dequantize_rows
-from service.engine.quant import kernels as quant
+from service.engine.kernels import matmul as quant
+from service.engine.kernels.backend import BACKEND
 
-# The compiled kernels (norms, RoPE, SiLU, KV writes, attention; service/engine/quant/_kernels.c) where the
-# extension is built; every function below falls back to numpy without it. One C call replaces 3-6 numpy passes,
-# which is most of a decode step's non-matmul time.
-_C = quant.extension()
-
-# Causal attention is computed in chunks of this many query rows, so a long prefill never materializes the
-# whole [queries, keys] score square and each chunk only reads the keys it can see.
-ATTENTION_QUERY_CHUNK = 256
-
+_C = BACKEND.ext
 
 # OpenBLAS handles 2-6 row GEMMs badly (2-4 rows cost about twice a 1-row GEMV of the whole matrix); one GEMV
 # per row is faster there, the later rows reading the matrix from cache (benchmarks: docs/benchmarks.md).
@@ -56,11 +54,6 @@ def embedding_rows(table: np.ndarray | PackedMatrix, token_ids: np.ndarray) -> n
     return table[token_ids]
 
 
-# Threads of the compiled prefill attention: 1 (the calling thread) next to OpenBLAS's own pool in fp32 engines,
-# whose spinning workers would fight a second pool; 0 (the kernels' pool) once use_quant_threads() has run.
-_ATTENTION_THREADS = [1]
-
-
 def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, qkv: np.ndarray, slot_mapping: np.ndarray, n_heads: int) -> None:
     """K and V of each new token into its slot of one layer's cache.
 
@@ -72,24 +65,6 @@ def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, qkv: np.ndarray, slot_map
         return
     k_cache.reshape(-1, kv, hd)[slot_mapping] = qkv[:, n_heads : n_heads + kv]
     v_cache.reshape(-1, kv, hd)[slot_mapping] = qkv[:, n_heads + kv :]
-
-
-def attention_threads() -> int:
-    """Threads for the compiled attention kernels: 1 (the calling thread), or 0 (the kernels' pool)."""
-    return _ATTENTION_THREADS[0]
-
-
-def use_quant_threads() -> None:
-    """Quantized engines run their matmuls and prefill attention on the kernels' own 2-thread pool; OpenBLAS
-    then runs on one thread, since its spinning workers would fight that pool (docs/kernels.md)."""
-    quant.openblas_threads(1)
-    _ATTENTION_THREADS[0] = 0
-
-
-def use_blas_threads() -> None:
-    """fp32 engines: OpenBLAS on its default threads, the compiled attention on the calling thread."""
-    quant.openblas_threads(quant.DEFAULT_BLAS_THREADS)
-    _ATTENTION_THREADS[0] = 1
 
 
 def rope_tables(max_positions: int, head_dim: int, theta: float, freq_factors: np.ndarray | None) -> np.ndarray:
@@ -132,58 +107,3 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
         return out
     gate, up = gate_up[:, :f], gate_up[:, f:]
     return gate * (0.5 + 0.5 * np.tanh(0.5 * gate)) * up
-
-
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Grouped-query attention of one sequence's new queries over its whole context.
-
-    q: [n, H, hd] new queries (already scaled by 1/sqrt(hd)), the last n positions of the context
-    k, v: [ctx, KV, hd] keys and values of positions 0 .. ctx - 1
-    returns [n, H * hd]
-    Compiled (service/engine/quant/_kernels.c: online softmax, no score matrix) where the extension is built.
-    """
-    compiled = quant.attention(q, k, v, _ATTENTION_THREADS[0])
-    if compiled is not None:
-        return compiled
-    return causal_attention_numpy(q, k, v)
-
-
-def paged_causal_attention(
-    q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table: np.ndarray, ctx: int
-) -> np.ndarray:
-    """causal_attention over a sequence's blocks of a layer's cache ([num_blocks, block_size, KV, hd]): read in
-    place by the compiled kernel where it can, else gathered into a contiguous copy first."""
-    compiled = quant.paged_attention(q, k_layer, v_layer, table, ctx, _ATTENTION_THREADS[0])
-    if compiled is not None:
-        return compiled
-    kv, hd = k_layer.shape[2], k_layer.shape[3]
-    k = np.take(k_layer, table, axis=0).reshape(-1, kv, hd)[:ctx]  # [ctx, KV, hd] gathered
-    v = np.take(v_layer, table, axis=0).reshape(-1, kv, hd)[:ctx]
-    return causal_attention(q, k, v)
-
-
-def causal_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """causal_attention in numpy (BLAS score matrices, query chunks): the fallback without the C extension."""
-    n, n_heads, head_dim = q.shape
-    ctx, n_kv, _ = k.shape
-    group = n_heads // n_kv
-    # query head h uses kv head h // group; rows of qg are (query i, group member g) -> i * group + g
-    qg = q.reshape(n, n_kv, group, head_dim).transpose(1, 0, 2, 3).reshape(n_kv, n * group, head_dim)
-    kt = k.transpose(1, 2, 0)  # [KV, hd, ctx]
-    vt = v.transpose(1, 0, 2)  # [KV, ctx, hd]
-    out = np.empty((n_kv, n * group, head_dim), dtype=np.float32)  # [KV, n*G, hd]
-    first_pos = ctx - n  # position of query 0
-    for start in range(0, n, ATTENTION_QUERY_CHUNK):
-        stop = min(n, start + ATTENTION_QUERY_CHUNK)
-        visible = first_pos + stop  # keys 0 .. visible - 1 can be seen by some query of this chunk
-        scores = qg[:, start * group : stop * group] @ kt[:, :, :visible]  # [KV, rows, visible]
-        if stop - start > 1 or visible > first_pos + start + 1:
-            q_pos = np.repeat(np.arange(first_pos + start, first_pos + stop), group)  # [rows]
-            masked = np.arange(visible)[None, :] > q_pos[:, None]  # [rows, visible]
-            if masked.any():
-                scores[:, masked] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        out[:, start * group : stop * group] = scores @ vt[:, :visible]
-    return out.reshape(n_kv, n, group, head_dim).transpose(1, 0, 2, 3).reshape(n, n_heads * head_dim)

@@ -1,0 +1,91 @@
+"""Causal grouped-query attention of one sequence's new queries over its context (prefill chunks): compiled where
+the extension is built (online softmax, no score matrix; csrc/attention.c), else numpy with BLAS score matrices.
+
+threads: 1 runs the compiled kernel on the calling thread, 0 on the kernels' pool (threads.ThreadPolicy).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from service.engine.kernels.backend import BACKEND
+
+_C = BACKEND.ext
+
+# numpy: causal attention is computed in chunks of this many query rows, so a long prefill never materializes
+# the whole [queries, keys] score square and each chunk only reads the keys it can see.
+ATTENTION_QUERY_CHUNK = 256
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, threads: int) -> np.ndarray:
+    """Grouped-query attention of one sequence's new queries over its whole context.
+
+    q: [n, H, hd] new queries (already scaled by 1/sqrt(hd)), the last n positions of the context
+    k, v: [ctx, KV, hd] keys and values of positions 0 .. ctx - 1
+    returns [n, H * hd]
+    """
+    if _C is None:
+        return causal_attention_numpy(q, k, v)
+    n, heads, hd = q.shape
+    ctx, kv_heads, _ = k.shape
+    q, k, v = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v))
+    out = np.empty((n, heads * hd), dtype=np.float32)  # [n, H * hd]
+    _C.attention(q, k, v, out, n, ctx, heads, kv_heads, hd, threads)
+    return out
+
+
+def paged_causal_attention(
+    q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table: np.ndarray, ctx: int, threads: int
+) -> np.ndarray:
+    """causal_attention over a sequence's blocks of a layer's cache ([num_blocks, block_size, KV, hd]): read in
+    place by the compiled kernel where it can, else gathered into a contiguous copy first."""
+    out = paged_attention_in_place(q, k_layer, v_layer, table, ctx, threads)
+    if out is not None:
+        return out
+    kv, hd = k_layer.shape[2], k_layer.shape[3]
+    k = np.take(k_layer, table, axis=0).reshape(-1, kv, hd)[:ctx]  # [ctx, KV, hd] gathered
+    v = np.take(v_layer, table, axis=0).reshape(-1, kv, hd)[:ctx]
+    return causal_attention(q, k, v, threads)
+
+
+def paged_attention_in_place(
+    q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table: np.ndarray, ctx: int, threads: int
+) -> np.ndarray | None:
+    """The compiled causal attention read in place through the block table (int64, covering ctx keys); None
+    where it cannot run (no extension, or only its portable path could: the caller gathers the blocks)."""
+    if _C is None:
+        return None
+    n, heads, hd = q.shape
+    num_blocks, block_size, kv_heads, _ = k_layer.shape
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    out = np.empty((n, heads * hd), dtype=np.float32)  # [n, H * hd]
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    args = (n, ctx, heads, kv_heads, hd, block_size, num_blocks, threads)
+    return out if _C.paged_attention(q, k_layer, v_layer, table, out, *args) else None
+
+
+def causal_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """causal_attention in numpy (BLAS score matrices, query chunks): the fallback without the C extension."""
+    n, n_heads, head_dim = q.shape
+    ctx, n_kv, _ = k.shape
+    group = n_heads // n_kv
+    # query head h uses kv head h // group; rows of qg are (query i, group member g) -> i * group + g
+    qg = q.reshape(n, n_kv, group, head_dim).transpose(1, 0, 2, 3).reshape(n_kv, n * group, head_dim)
+    kt = k.transpose(1, 2, 0)  # [KV, hd, ctx]
+    vt = v.transpose(1, 0, 2)  # [KV, ctx, hd]
+    out = np.empty((n_kv, n * group, head_dim), dtype=np.float32)  # [KV, n*G, hd]
+    first_pos = ctx - n  # position of query 0
+    for start in range(0, n, ATTENTION_QUERY_CHUNK):
+        stop = min(n, start + ATTENTION_QUERY_CHUNK)
+        visible = first_pos + stop  # keys 0 .. visible - 1 can be seen by some query of this chunk
+        scores = qg[:, start * group : stop * group] @ kt[:, :, :visible]  # [KV, rows, visible]
+        if stop - start > 1 or visible > first_pos + start + 1:
+            q_pos = np.repeat(np.arange(first_pos + start, first_pos + stop), group)  # [rows]
+            masked = np.arange(visible)[None, :] > q_pos[:, None]  # [rows, visible]
+            if masked.any():
+                scores[:, masked] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out[:, start * group : stop * group] = scores @ vt[:, :visible]
+    return out.reshape(n_kv, n, group, head_dim).transpose(1, 0, 2, 3).reshape(n, n_heads * head_dim)

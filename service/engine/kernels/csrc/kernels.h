@@ -1,0 +1,126 @@
+/* The compiled kernels' shared declarations (the extension service.engine.kernels._kernels, built by setup.py):
+ *
+ *   pool.c              a small thread pool (spin, then futex sleep; no OpenMP) and per-thread scratch
+ *   matmul.c            y = x @ W.T for W kept as GGUF Q4_0 / Q4_1 / Q8_0 blocks, x and y fp32
+ *   matmul_avx2.c       its AVX2 tile kernels
+ *   attention.c         causal prefill attention of one sequence (contiguous K/V, or read through a block table)
+ *   decode_attention.c  one query per sequence over the paged KV cache, many sequences per call
+ *   elementwise.c       RMSNorm, RoPE, SiLU x up, KV-cache writes
+ *   args.c, args.h      the one table-driven argument parser of the Python entry points
+ *   module.c            the Python entry points (a table of argument specs each) and the module
+ *
+ * The compute functions declared here touch no Python object: the entry points call them with the GIL
+ * released, after the parser checked every buffer's type, size and indices. AVX2+FMA+F16C code is compiled
+ * with target attributes and chosen at import by __builtin_cpu_supports (g_avx2, which also checks that the OS
+ * saves YMM state); otherwise portable C gives the same results up to fp32 summation order.
+ */
+#ifndef KERNELS_H
+#define KERNELS_H
+
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define TR 32         /* rows per tile of a packed matrix */
+#define Q4_CHUNK 640  /* 16*32 qs + 32*2 d + 32*2 m */
+#define Q8_CHUNK 1088 /* 32*32 qs + 32*2 d */
+#define KIND_Q4 0
+#define KIND_Q8 1
+#define MAX_THREADS 16
+/* A job's description (job_t, attn_t, dattn_t) lives on the caller's stack and every task reads it: aligned to
+ * whole cache lines, so no stack word the caller writes while it runs tasks itself shares a line with it. A
+ * shared line made jobs of small tasks (a decode step's GEMVs, decode attention) up to ~1.6x slower in some
+ * processes and not in others (the stack's offset is random); main's single-file build showed it too. */
+#define CACHE_LINE 64
+
+/* the AVX2 kernels run (module.c: CPU check at import, force_generic); read by every task, so on a cache line
+ * that nothing written often shares */
+extern int g_avx2;
+
+/* ---- pool.c: nthreads-1 workers + the calling thread; a job is fn(ctx, task) for task in [0, ntasks) ---- */
+typedef void (*task_fn)(void *ctx, int task);
+void pool_init(void);                             /* at import: threads = CPU count (at most 16), fork-safe */
+void pool_run(task_fn fn, void *ctx, int ntasks); /* ntasks < 65536 */
+int pool_threads(void);                           /* threads wanted, the caller included */
+void pool_set_threads(int n);
+void pool_set_spin_ns(long ns);
+float *scratch(size_t nfloats); /* this thread's scratch buffer, grown on demand; NULL if out of memory */
+
+/* ---- AVX2 helpers shared by the kernels ---- */
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+#define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+/* exp of 8 floats: a Cephes-style polynomial (max rel. error ~2e-7, like expf), the argument clamped */
+AVX2_INLINE __m256 exp256(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+AVX2_INLINE float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+AVX2_INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* ---- matmul.c (every function returns 0, or -1 where a scratch allocation failed) ---- */
+size_t quant_chunk_bytes(int kind);
+/* y[n][rows] = x[n][cols] @ W.T, W packed [ceil(rows / 32)][cols / 32][chunk]; mode 0 auto, 1 direct, 2 panel */
+int quant_matmul(int kind, const uint8_t *w, int rows, int cols, const float *x, int n, float *y, int mode);
+/* out[cols][rows] = W.T in fp32 (for a BLAS GEMM) */
+int quant_dequantize_t(int kind, const uint8_t *w, int rows, int cols, float *out);
+
+/* ---- matmul_avx2.c: one tile of 32 rows of W (its nblk chunks) against x; y [n][32] (row stride ldy) ---- */
+AVX2_FN void q4_tile_n1_avx2(const uint8_t *tile, int nblk, const float *x, const float *sx, float *y);
+AVX2_FN void q8_tile_n1_avx2(const uint8_t *tile, int nblk, const float *x, float *y);
+/* nb = 2..4 rows of x (row stride ldx); sx [nb][nblk] the block sums of x (Q4) */
+AVX2_FN void q4_tile_small_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, const float *sx, int nb,
+                                float *y, int ldy);
+AVX2_FN void q8_tile_small_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, int nb, float *y, int ldy);
+/* out[k][0..31] (row stride ldo floats) = the tile's weights, k over the nblk * 32 columns */
+AVX2_FN void dequant_tile_avx2(int kind, const uint8_t *tile, int nblk, float *out, size_t ldo);
+/* y[n][32] = x[n][K] @ W, W a dequantized panel [K][32] */
+AVX2_FN void panel_gemm_avx2(const float *W, int K, const float *x, int ldx, int n, float *y, int ldy);
+AVX2_FN void block_sums_avx2(const float *x, int n, int ldx, int nblk, float *sx);
+
+/* ---- attention.c: q [n][H][hd] scaled, query i at position ctx - n + i; out [n][H * hd] ---- */
+int attention_in_place_ok(int hd); /* the paged kernel runs (the AVX2 path); else the caller gathers */
+/* k, v [ctx][KV][hd]; threads 1: the calling thread only, else the pool */
+int causal_attention(const float *q, const float *k, const float *v, float *out, int n, int ctx, int H, int KV,
+                     int hd, int threads);
+/* k, v a layer's cache [num_blocks][bs][KV][hd], key j in block table[j / bs]; AVX2 only */
+void paged_causal_attention(const float *q, const float *k, const float *v, const int64_t *table, int bs,
+                            float *out, int n, int ctx, int H, int KV, int hd, int threads);
+
+/* ---- decode_attention.c: q, out [B][H][hd]; sequence b's block ids at tables[starts[b] .. starts[b + 1]],
+ * lens[b] keys visible; k, v a layer's cache [num_blocks][bs][KV][hd] ---- */
+int decode_attention(const float *q, const float *k, const float *v, const int64_t *tables, const int64_t *starts,
+                     const int64_t *lens, float *out, int B, int H, int KV, int hd, int bs, int threads);
+
+/* ---- elementwise.c ---- */
+void rmsnorm_rows(const float *x, const float *gain, float eps, float *y, int T, int D);
+void rope_rows(float *x, const float *table, const int64_t *pos, int T, int nheads, int nrot, int hd, int P);
+void silu_mul_rows(const float *gu, float *y, int T, int F);
+void write_kv_rows(float *k, float *v, const float *qkv, const int64_t *slots, int T, int H, int KV, int hd);
+
+#endif

@@ -1,0 +1,263 @@
+/* y = x @ W.T for W kept as GGUF quant blocks (Q4_0 / Q4_1 / Q8_0), x and y fp32 (kernels/matmul.py calls it).
+ *
+ * Packed layout (made by build_engine/packing.py: pack_blocks; see its docstring): rows in tiles of 32, and for
+ * each (tile, block of 32 columns) one chunk:
+ *   Q4 chunk, 640 bytes:  qs[16][32] uint8 (byte j of the block, row r: low nibble = col j, high = col j+16),
+ *                         d[32] fp16, m[32] fp16                    weight = d * q + m   (Q4_0: m = -8 d)
+ *   Q8 chunk, 1088 bytes: qs[32][32] int8, d[32] fp16               weight = d * q
+ * data: uint8 [n_tiles][n_blocks][chunk].
+ *
+ * Activations are never quantized. Three compute paths:
+ *   direct (auto for n <= DIRECT_MAX_N = 8 rows of x): SIMD across the 32 rows of a tile, up to 4 rows of x per
+ *     pass over the weights; per block t = sum_j q_j x_j in fp32, then y += d * t + m * sum_j x_j (the same sum
+ *     as sum_j (d q_j + m) x_j, exact algebra, fp32 rounding).
+ *   panel GEMM (auto for more rows): each thread dequantizes one tile into an fp32 panel [K][32] (d*q+m computed
+ *     with one FMA, bit-identical to gguf.quants.dequantize), then a 16x6 register-blocked FMA micro-kernel.
+ *   dequantize_t: the whole matrix as fp32 W.T [K][rows] for a BLAS GEMM (path="blas").
+ * Work is split by tiles over the pool (pool.c); each output row is computed by exactly one task, so results do
+ * not depend on the thread count. The AVX2 tile kernels are in matmul_avx2.c, the portable ones here.
+ */
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#ifndef DIRECT_MAX_N
+#define DIRECT_MAX_N 8 /* auto mode: x rows up to which the direct kernels (4 rows a pass) beat the panel */
+#endif
+
+/* ------------------------------------------------------------------------------------------------ */
+/* fp16 -> fp32 (portable, exact)                                                                     */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalize */
+            int e = -1;
+            do { e++; man <<= 1; } while (!(man & 0x400));
+            bits = sign | (uint32_t)(112 - e) << 23 | (man & 0x3ff) << 13;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | man << 13;
+    } else {
+        bits = sign | (exp + 112) << 23 | man << 13;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+
+/* ------------------------------------------------------------------------------------------------ */
+/* A job: y[n][rows] (row stride ldy) = x[n][cols] (row stride ldx) @ W.T                           */
+typedef struct {
+    int kind, rows, cols, nblk, ntiles, n, ldx, ldy;
+    const uint8_t *w;
+    const float *x;
+    const float *sx; /* [n][nblk] block sums of x (Q4 small path) */
+    float *y;
+    int tiles_per_task;
+    float *out_t; /* dequantize_t: [cols][ldo] */
+    int ldo;
+    _Atomic int failed; /* a task could not allocate its scratch panel */
+} __attribute__((aligned(CACHE_LINE))) job_t; /* whole cache lines (kernels.h) */
+
+/* ==================================== portable fallback ========================================== */
+static void dequant_tile_generic(int kind, const uint8_t *tile, int nblk, float *out, size_t ldo) {
+    for (int b = 0; b < nblk; b++) {
+        float *o = out + (size_t)32 * b * ldo;
+        if (kind == KIND_Q4) {
+            const uint8_t *c = tile + (size_t)b * Q4_CHUNK;
+            for (int r = 0; r < TR; r++) {
+                uint16_t dh, mh;
+                memcpy(&dh, c + 512 + 2 * r, 2);
+                memcpy(&mh, c + 576 + 2 * r, 2);
+                float d = half_to_float(dh), m = half_to_float(mh);
+                for (int j = 0; j < 16; j++) {
+                    uint8_t q = c[32 * j + r];
+                    o[j * ldo + r] = (float)(q & 15) * d + m; /* not fmaf: a libm call without -mfma */
+                    o[(j + 16) * ldo + r] = (float)(q >> 4) * d + m;
+                }
+            }
+        } else {
+            const uint8_t *c = tile + (size_t)b * Q8_CHUNK;
+            for (int r = 0; r < TR; r++) {
+                uint16_t dh;
+                memcpy(&dh, c + 1024 + 2 * r, 2);
+                float d = half_to_float(dh);
+                for (int j = 0; j < 32; j++) o[j * ldo + r] = (float)(int8_t)c[32 * j + r] * d;
+            }
+        }
+    }
+}
+
+static void panel_gemm_generic(const float *W, int K, const float *x, int ldx, int n, float *y, int ldy) {
+    for (int i = 0; i < n; i++) {
+        float acc[TR] = {0};
+        const float *xi = x + (size_t)i * ldx;
+        for (int k0 = 0; k0 < K; k0 += 128) { /* two-level sum, as in the AVX2 micro-kernel */
+            float part[TR] = {0};
+            for (int k = k0; k < K && k < k0 + 128; k++) {
+                float xv = xi[k];
+                for (int r = 0; r < TR; r++) part[r] += W[32 * k + r] * xv;
+            }
+            for (int r = 0; r < TR; r++) acc[r] += part[r];
+        }
+        memcpy(y + (size_t)i * ldy, acc, sizeof acc);
+    }
+}
+
+/* ========================================= tasks ================================================= */
+static void finish_tile(const job_t *J, int t, const float *tmp) {
+    /* copy the valid rows of a partial last tile from tmp [n][32] */
+    int r0 = t * TR, nr = J->rows - r0;
+    for (int i = 0; i < J->n; i++) memcpy(J->y + (size_t)i * J->ldy + r0, tmp + (size_t)i * TR, nr * 4);
+}
+
+static void task_small(void *ctx, int task) { /* the direct kernels, n <= 4 (callers split) */
+    const job_t *J = ctx;
+    const size_t chunk = J->kind == KIND_Q4 ? Q4_CHUNK : Q8_CHUNK;
+    int t0 = task * J->tiles_per_task, t1 = t0 + J->tiles_per_task;
+    if (t1 > J->ntiles) t1 = J->ntiles;
+    float tmp[4 * TR];
+    for (int t = t0; t < t1; t++) {
+        const uint8_t *tile = J->w + (size_t)t * J->nblk * chunk;
+        int partial = (t + 1) * TR > J->rows;
+        float *y = partial ? tmp : J->y + (size_t)t * TR;
+        int ldy = partial ? TR : J->ldy;
+        if (g_avx2) {
+            if (J->kind == KIND_Q4) {
+                if (J->n == 1) q4_tile_n1_avx2(tile, J->nblk, J->x, J->sx, y);
+                else q4_tile_small_avx2(tile, J->nblk, J->x, J->ldx, J->sx, J->n, y, ldy);
+            } else {
+                if (J->n == 1) q8_tile_n1_avx2(tile, J->nblk, J->x, y);
+                else q8_tile_small_avx2(tile, J->nblk, J->x, J->ldx, J->n, y, ldy);
+            }
+        } else { /* fallback: dequantize the tile, then a plain loop */
+            float *W = scratch((size_t)J->cols * TR);
+            if (!W) {
+                atomic_store(&((job_t *)J)->failed, 1);
+                return;
+            }
+            dequant_tile_generic(J->kind, tile, J->nblk, W, TR);
+            panel_gemm_generic(W, J->cols, J->x, J->ldx, J->n, y, ldy);
+        }
+        if (partial) finish_tile(J, t, tmp);
+    }
+}
+
+static void task_panel(void *ctx, int task) { /* the panel path: dequantize a tile, register-blocked GEMM */
+    const job_t *J = ctx;
+    const size_t chunk = J->kind == KIND_Q4 ? Q4_CHUNK : Q8_CHUNK;
+    int t0 = task * J->tiles_per_task, t1 = t0 + J->tiles_per_task;
+    if (t1 > J->ntiles) t1 = J->ntiles;
+    float *W = scratch((size_t)J->cols * TR + (size_t)J->n * TR);
+    if (!W) {
+        atomic_store(&((job_t *)J)->failed, 1); /* reported as MemoryError */
+        return;
+    }
+    float *tmp = W + (size_t)J->cols * TR;
+    for (int t = t0; t < t1; t++) {
+        const uint8_t *tile = J->w + (size_t)t * J->nblk * chunk;
+        int partial = (t + 1) * TR > J->rows;
+        float *y = partial ? tmp : J->y + (size_t)t * TR;
+        int ldy = partial ? TR : J->ldy;
+        if (g_avx2) {
+            dequant_tile_avx2(J->kind, tile, J->nblk, W, TR);
+            panel_gemm_avx2(W, J->cols, J->x, J->ldx, J->n, y, ldy);
+        } else {
+            dequant_tile_generic(J->kind, tile, J->nblk, W, TR);
+            panel_gemm_generic(W, J->cols, J->x, J->ldx, J->n, y, ldy);
+        }
+        if (partial) finish_tile(J, t, tmp);
+    }
+}
+
+static void task_dequant_t(void *ctx, int task) { /* out_t[k][r] = W[r][k] */
+    const job_t *J = ctx;
+    const size_t chunk = J->kind == KIND_Q4 ? Q4_CHUNK : Q8_CHUNK;
+    int t0 = task * J->tiles_per_task, t1 = t0 + J->tiles_per_task;
+    if (t1 > J->ntiles) t1 = J->ntiles;
+    for (int t = t0; t < t1; t++) {
+        const uint8_t *tile = J->w + (size_t)t * J->nblk * chunk;
+        if ((t + 1) * TR <= J->rows) {
+            if (g_avx2) dequant_tile_avx2(J->kind, tile, J->nblk, J->out_t + (size_t)t * TR, J->ldo);
+            else dequant_tile_generic(J->kind, tile, J->nblk, J->out_t + (size_t)t * TR, J->ldo);
+        } else { /* partial tile: via a scratch panel */
+            float *W = scratch((size_t)J->cols * TR);
+            if (!W) {
+                atomic_store(&((job_t *)J)->failed, 1);
+                return;
+            }
+            if (g_avx2) dequant_tile_avx2(J->kind, tile, J->nblk, W, TR);
+            else dequant_tile_generic(J->kind, tile, J->nblk, W, TR);
+            int nr = J->rows - t * TR;
+            for (int k = 0; k < J->cols; k++) memcpy(J->out_t + (size_t)k * J->ldo + t * TR, W + (size_t)TR * k, nr * 4);
+        }
+    }
+}
+
+static int tiles_per_task(int ntiles, int nthreads, int n) {
+    /* about 4 tasks per thread so a slow core does not hold up the others; whole matrix if single-threaded */
+    if (nthreads <= 1) return ntiles;
+    int tasks = nthreads * (n <= 4 ? 4 : 8); /* panel tiles are heavy at large n: smaller tasks, less waiting */
+    int tpt = (ntiles + tasks - 1) / tasks;
+    return tpt < 1 ? 1 : tpt;
+}
+
+
+size_t quant_chunk_bytes(int kind) { return kind == KIND_Q4 ? Q4_CHUNK : Q8_CHUNK; }
+
+int quant_matmul(int kind, const uint8_t *w, int rows, int cols, const float *x, int n, float *y, int mode) {
+    if (n <= 0) return 0;
+    int nblk = cols / 32, ntiles = (rows + TR - 1) / TR;
+    int direct = mode == 1 || (mode == 0 && n <= DIRECT_MAX_N);
+    job_t J = {kind, rows, cols, nblk, ntiles, n, cols, rows, w, x, NULL, y, 0, NULL, 0};
+    float *sx = NULL;
+    int failed = 0;
+    if (direct && n > 4) { /* direct kernels take at most 4 x rows at a time */
+        for (int i0 = 0; i0 < n && !failed; i0 += 4) {
+            job_t Ji = J;
+            Ji.n = n - i0 < 4 ? n - i0 : 4;
+            Ji.x = J.x + (size_t)i0 * cols;
+            Ji.y = J.y + (size_t)i0 * rows;
+            if (kind == KIND_Q4) {
+                sx = realloc(sx, (size_t)Ji.n * nblk * 4);
+                if (!sx) { failed = 1; break; }
+                if (g_avx2) block_sums_avx2(Ji.x, Ji.n, cols, nblk, sx);
+                else for (int i = 0; i < Ji.n * nblk; i++) { float s = 0; for (int j = 0; j < 32; j++) s += Ji.x[(size_t)(i / nblk) * cols + 32 * (i % nblk) + j]; sx[i] = s; }
+                Ji.sx = sx;
+            }
+            Ji.tiles_per_task = tiles_per_task(ntiles, pool_threads(), Ji.n);
+            pool_run(task_small, &Ji, (ntiles + Ji.tiles_per_task - 1) / Ji.tiles_per_task);
+            if (atomic_load(&Ji.failed)) failed = 1;
+        }
+    } else if (direct) {
+        if (kind == KIND_Q4 && g_avx2) {
+            sx = malloc((size_t)n * nblk * 4);
+            if (!sx) failed = 1;
+            else block_sums_avx2(J.x, n, cols, nblk, sx);
+            J.sx = sx;
+        }
+        if (!failed) {
+            J.tiles_per_task = tiles_per_task(ntiles, pool_threads(), n);
+            pool_run(task_small, &J, (ntiles + J.tiles_per_task - 1) / J.tiles_per_task);
+        }
+    } else {
+        J.tiles_per_task = tiles_per_task(ntiles, pool_threads(), n);
+        pool_run(task_panel, &J, (ntiles + J.tiles_per_task - 1) / J.tiles_per_task);
+    }
+    if (atomic_load(&J.failed)) failed = 1;
+    free(sx);
+    return failed ? -1 : 0;
+}
+
+int quant_dequantize_t(int kind, const uint8_t *w, int rows, int cols, float *out) {
+    int nblk = cols / 32, ntiles = (rows + TR - 1) / TR;
+    job_t J = {kind, rows, cols, nblk, ntiles, 0, 0, 0, w, NULL, NULL, NULL, 0, out, rows};
+    J.tiles_per_task = tiles_per_task(ntiles, pool_threads(), 64);
+    pool_run(task_dequant_t, &J, (ntiles + J.tiles_per_task - 1) / J.tiles_per_task);
+    return atomic_load(&J.failed) ? -1 : 0;
+}

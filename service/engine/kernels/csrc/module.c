@@ -1,0 +1,367 @@
+/* The Python module service.engine.kernels._kernels (CPython API and buffer protocol, no numpy headers).
+ *
+ * Each compute entry point is a table (entry_spec, args.h: its arguments, their ranges, the relations between
+ * them, every buffer's size) that the one parser checks before the kernel runs with the GIL released; the
+ * Python side (the modules of kernels/) passes C-contiguous arrays and their shapes. The rest are the pool's
+ * and the ISA's switches.
+ */
+#include "args.h"
+#include "kernels.h"
+
+int g_avx2 __attribute__((aligned(CACHE_LINE))) = 0;
+
+#define INT(name, lo, hi) {name, ARG_INT, lo, hi, 0, NULL}
+#define FLOAT(name) {name, ARG_FLOAT, 0, 0, 0, NULL}
+#define F32(name) {name, ARG_F32, 0, 0, 0, NULL}
+#define F32_OUT(name) {name, ARG_F32_OUT, 0, 0, 0, NULL}
+#define F32_OPT(name) {name, ARG_F32_OPT, 0, 0, 0, NULL}
+#define BYTES(name) {name, ARG_BYTES, 0, 0, 0, NULL}
+#define IDS(name, bound, item) {name, ARG_I64, 0, 0, bound, item} /* every value in [0, argument `bound`) */
+#define I64(name) {name, ARG_I64, 0, 0, 0, NULL}
+#define FASTCALL(fn) (PyCFunction)(void (*)(void))(fn), METH_FASTCALL
+
+static PyObject *no_memory(call_t *c) { /* a kernel could not allocate its scratch */
+    PyErr_NoMemory();
+    return end_call(c, NULL);
+}
+
+/* ---- matmul(kind, w, rows, cols, x, n, y, mode): y[n, rows] = x[n, cols] @ W.T; mode 0 auto, 1 direct, 2 panel */
+enum { MM_KIND, MM_W, MM_ROWS, MM_COLS, MM_X, MM_N, MM_Y, MM_MODE };
+
+/* dequantize_t (below) takes kind, w, rows, cols at the same places: these two serve both */
+static const char *cols_of_blocks(const long *i) {
+    return i[MM_COLS] % 32 ? "cols must be a positive multiple of 32" : NULL;
+}
+
+static Py_ssize_t packed_bytes(const long *i) { /* the bytes of W */
+    const Py_ssize_t tiles = (i[MM_ROWS] + TR - 1) / TR, blocks = i[MM_COLS] / 32;
+    return tiles * blocks * (Py_ssize_t)quant_chunk_bytes((int)i[MM_KIND]);
+}
+
+static void matmul_sizes(const long *i, Py_ssize_t *n) {
+    n[MM_W] = packed_bytes(i);
+    n[MM_X] = (Py_ssize_t)i[MM_N] * i[MM_COLS];
+    n[MM_Y] = (Py_ssize_t)i[MM_N] * i[MM_ROWS];
+}
+
+static const entry_spec MATMUL = {"matmul", 8, {
+    [MM_KIND] = INT("kind", KIND_Q4, KIND_Q8), [MM_W] = BYTES("w"), [MM_ROWS] = INT("rows", 1, 1L << 30),
+    [MM_COLS] = INT("cols", 32, 1L << 30), [MM_X] = F32("x"), [MM_N] = INT("n", 0, 1L << 30), [MM_Y] = F32_OUT("y"),
+    [MM_MODE] = INT("mode", 0, 2)}, cols_of_blocks, matmul_sizes};
+
+static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    call_t c;
+    if (parse_call(&MATMUL, args, nargs, &c) < 0) return NULL;
+    const long *i = c.i;
+    int failed;
+    Py_BEGIN_ALLOW_THREADS;
+    failed = quant_matmul((int)i[MM_KIND], c.p[MM_W], (int)i[MM_ROWS], (int)i[MM_COLS], c.p[MM_X], (int)i[MM_N],
+                          c.p[MM_Y], (int)i[MM_MODE]);
+    Py_END_ALLOW_THREADS;
+    if (failed) return no_memory(&c);
+    return end_call(&c, Py_None);
+}
+
+/* ---- dequantize_t(kind, w, rows, cols, out): out[cols, rows] fp32 = W.T (for a BLAS GEMM) ---- */
+enum { DQ_OUT = MM_COLS + 1 }; /* kind, w, rows, cols: at matmul's places (MM_*) */
+
+static void dequantize_sizes(const long *i, Py_ssize_t *n) {
+    n[MM_W] = packed_bytes(i);
+    n[DQ_OUT] = (Py_ssize_t)i[MM_ROWS] * i[MM_COLS];
+}
+
+static const entry_spec DEQUANTIZE_T = {"dequantize_t", 5, {
+    [MM_KIND] = INT("kind", KIND_Q4, KIND_Q8), [MM_W] = BYTES("w"), [MM_ROWS] = INT("rows", 1, 1L << 30),
+    [MM_COLS] = INT("cols", 32, 1L << 30), [DQ_OUT] = F32_OUT("out")}, cols_of_blocks, dequantize_sizes};
+
+static PyObject *py_dequantize_t(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    call_t c;
+    if (parse_call(&DEQUANTIZE_T, args, nargs, &c) < 0) return NULL;
+    int failed;
+    Py_BEGIN_ALLOW_THREADS;
+    failed = quant_dequantize_t((int)c.i[MM_KIND], c.p[MM_W], (int)c.i[MM_ROWS], (int)c.i[MM_COLS], c.p[DQ_OUT]);
+    Py_END_ALLOW_THREADS;
+    if (failed) return no_memory(&c);
+    return end_call(&c, Py_None);
+}
+
+/* ---- attention(q, k, v, out, n, ctx, H, KV, hd, threads): out[n, H*hd] = causal GQA attention of q[n, H, hd]
+ * over k, v [ctx, KV, hd] (query i at position ctx - n + i); threads 1 runs on the calling thread only ---- */
+enum { AT_Q, AT_K, AT_V, AT_OUT, AT_N, AT_CTX, AT_H, AT_KV, AT_HD, AT_THREADS };
+
+static const char *attention_shape(const long *i) {
+    return i[AT_N] > i[AT_CTX] || i[AT_H] % i[AT_KV] ? "need n <= ctx and H a multiple of KV" : NULL;
+}
+
+static void attention_sizes(const long *i, Py_ssize_t *n) {
+    n[AT_Q] = n[AT_OUT] = (Py_ssize_t)i[AT_N] * i[AT_H] * i[AT_HD];
+    n[AT_K] = n[AT_V] = (Py_ssize_t)i[AT_CTX] * i[AT_KV] * i[AT_HD];
+}
+
+static const entry_spec ATTENTION = {"attention", 10, {
+    [AT_Q] = F32("q"), [AT_K] = F32("k"), [AT_V] = F32("v"), [AT_OUT] = F32_OUT("out"),
+    [AT_N] = INT("n", 1, 1 << 24), [AT_CTX] = INT("ctx", 1, 1 << 24), [AT_H] = INT("H", 1, 4096),
+    [AT_KV] = INT("KV", 1, 4096), [AT_HD] = INT("hd", 1, 1024), [AT_THREADS] = INT("threads", 0, 1 << 16)},
+    attention_shape, attention_sizes};
+
+static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    call_t c;
+    if (parse_call(&ATTENTION, args, nargs, &c) < 0) return NULL;
+    const long *i = c.i;
+    int failed;
+    Py_BEGIN_ALLOW_THREADS;
+    failed = causal_attention(c.p[AT_Q], c.p[AT_K], c.p[AT_V], c.p[AT_OUT], (int)i[AT_N], (int)i[AT_CTX],
+                              (int)i[AT_H], (int)i[AT_KV], (int)i[AT_HD], (int)i[AT_THREADS]);
+    Py_END_ALLOW_THREADS;
+    if (failed) return no_memory(&c);
+    return end_call(&c, Py_None);
+}
+
+/* ---- paged_attention(q, k_layer, v_layer, table, out, n, ctx, H, KV, hd, bs, num_blocks, threads): attention()
+ * of one sequence read in place from a layer's paged cache [num_blocks][bs][KV][hd] through its block table.
+ * AVX2 only: returns False where the portable path would run (the caller gathers instead) ---- */
+enum { PA_Q, PA_K, PA_V, PA_TABLE, PA_OUT, PA_N, PA_CTX, PA_H, PA_KV, PA_HD, PA_BS, PA_NB, PA_THREADS };
+
+static const char *paged_attention_shape(const long *i) {
+    return i[PA_N] > i[PA_CTX] || i[PA_H] % i[PA_KV] ? "need n <= ctx and H a multiple of KV" : NULL;
+}
+
+static void paged_attention_sizes(const long *i, Py_ssize_t *n) {
+    n[PA_Q] = n[PA_OUT] = (Py_ssize_t)i[PA_N] * i[PA_H] * i[PA_HD];
+    n[PA_K] = n[PA_V] = (Py_ssize_t)i[PA_NB] * i[PA_BS] * i[PA_KV] * i[PA_HD];
+    n[PA_TABLE] = (i[PA_CTX] + i[PA_BS] - 1) / i[PA_BS];
+}
+
+static const entry_spec PAGED_ATTENTION = {"paged_attention", 13, {
+    [PA_Q] = F32("q"), [PA_K] = F32("k"), [PA_V] = F32("v"), [PA_TABLE] = IDS("table", PA_NB, "block id"),
+    [PA_OUT] = F32_OUT("out"), [PA_N] = INT("n", 1, 1 << 24), [PA_CTX] = INT("ctx", 1, 1 << 24),
+    [PA_H] = INT("H", 1, 4096), [PA_KV] = INT("KV", 1, 4096), [PA_HD] = INT("hd", 1, 1024),
+    [PA_BS] = INT("block_size", 1, 1 << 16), [PA_NB] = INT("num_blocks", 1, 1L << 40),
+    [PA_THREADS] = INT("threads", 0, 1 << 16)}, paged_attention_shape, paged_attention_sizes};
+
+static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    call_t c;
+    if (parse_call(&PAGED_ATTENTION, args, nargs, &c) < 0) return NULL;
+    const long *i = c.i;
+    if (!attention_in_place_ok((int)i[PA_HD])) return end_call(&c, Py_False);
+    Py_BEGIN_ALLOW_THREADS;
+    paged_causal_attention(c.p[PA_Q], c.p[PA_K], c.p[PA_V], c.p[PA_TABLE], (int)i[PA_BS], c.p[PA_OUT],
+                           (int)i[PA_N], (int)i[PA_CTX], (int)i[PA_H], (int)i[PA_KV], (int)i[PA_HD],
+                           (int)i[PA_THREADS]);
+    Py_END_ALLOW_THREADS;
+    return end_call(&c, Py_True);
+}
+
+/* ---- decode_attention(q, k_layer, v_layer, tables, starts, lens, out, B, H, KV, hd, bs, num_blocks, threads):
+ * one query per sequence, sequence b's block ids at tables[starts[b]:starts[b + 1]], lens[b] keys ---- */
+enum { DA_Q, DA_K, DA_V, DA_TABLES, DA_STARTS, DA_LENS, DA_OUT, DA_B, DA_H, DA_KV, DA_HD, DA_BS, DA_NB, DA_THREADS };
+
+static const char *decode_attention_shape(const long *i) {
+    return i[DA_H] % i[DA_KV] ? "H must be a multiple of KV" : NULL;
+}
+
+static void decode_attention_sizes(const long *i, Py_ssize_t *n) {
+    n[DA_Q] = n[DA_OUT] = (Py_ssize_t)i[DA_B] * i[DA_H] * i[DA_HD];
+    n[DA_K] = n[DA_V] = (Py_ssize_t)i[DA_NB] * i[DA_BS] * i[DA_KV] * i[DA_HD];
+    n[DA_STARTS] = i[DA_B] + 1;
+    n[DA_LENS] = i[DA_B];
+    n[DA_TABLES] = NOT_SIZED; /* starts[B] ids: checked once starts is */
+}
+
+static const entry_spec DECODE_ATTENTION = {"decode_attention", 14, {
+    [DA_Q] = F32("q"), [DA_K] = F32("k"), [DA_V] = F32("v"), [DA_TABLES] = IDS("tables", DA_NB, "block id"),
+    [DA_STARTS] = I64("starts"), [DA_LENS] = I64("lens"), [DA_OUT] = F32_OUT("out"), [DA_B] = INT("B", 1, 1 << 20),
+    [DA_H] = INT("H", 1, 4096), [DA_KV] = INT("KV", 1, 4096), [DA_HD] = INT("hd", 1, 1024),
+    [DA_BS] = INT("block_size", 1, 1 << 16), [DA_NB] = INT("num_blocks", 1, 1L << 40),
+    [DA_THREADS] = INT("threads", 0, 1)}, decode_attention_shape, decode_attention_sizes};
+
+static int check_block_tables(call_t *c) { /* every sequence's keys fit its table; then the table ids */
+    const int64_t *st = c->p[DA_STARTS], *ln = c->p[DA_LENS];
+    const long B = c->i[DA_B], bs = c->i[DA_BS];
+    if (st[0] != 0) {
+        PyErr_SetString(PyExc_ValueError, "starts[0] must be 0");
+        return -1;
+    }
+    for (long b = 0; b < B; b++)
+        if (st[b + 1] < st[b] || ln[b] < 1 || ln[b] > (st[b + 1] - st[b]) * bs) {
+            PyErr_Format(PyExc_ValueError, "sequence %ld: %lld keys do not fit its block table", b, (long long)ln[b]);
+            return -1;
+        }
+    return check_buffer(&DECODE_ATTENTION, c, DA_TABLES, (Py_ssize_t)st[B]);
+}
+
+static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    call_t c;
+    if (parse_call(&DECODE_ATTENTION, args, nargs, &c) < 0) return NULL;
+    if (check_block_tables(&c) < 0) return end_call(&c, NULL);
+    const long *i = c.i;
+    int failed;
+    Py_BEGIN_ALLOW_THREADS;
+    failed = decode_attention(c.p[DA_Q], c.p[DA_K], c.p[DA_V], c.p[DA_TABLES], c.p[DA_STARTS], c.p[DA_LENS],
+                              c.p[DA_OUT], (int)i[DA_B], (int)i[DA_H], (int)i[DA_KV], (int)i[DA_HD], (int)i[DA_BS],
+                              (int)i[DA_THREADS]);
+    Py_END_ALLOW_THREADS;
+    if (failed) return no_memory(&c);
+    return end_call(&c, Py_None);
+}
+
+/* ---- rmsnorm(x, gain or None, eps, out, T, D) ---- */
+enum { RN_X, RN_GAIN, RN_EPS, RN_OUT, RN_T, RN_D };
+
+static void rmsnorm_sizes(const long *i, Py_ssize_t *n) {
+    n[RN_X] = n[RN_OUT] = (Py_ssize_t)i[RN_T] * i[RN_D];
+    n[RN_GAIN] = i[RN_D];
+}
+
+static const entry_spec RMSNORM = {"rmsnorm", 6, {
+    [RN_X] = F32("x"), [RN_GAIN] = F32_OPT("gain"), [RN_EPS] = FLOAT("eps"), [RN_OUT] = F32_OUT("out"),
+    [RN_T] = INT("T", 0, 1L << 30), [RN_D] = INT("D", 1, 1 << 24)}, NULL, rmsnorm_sizes};
+
+static PyObject *py_rmsnorm(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    call_t c;
+    if (parse_call(&RMSNORM, args, nargs, &c) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS;
+    rmsnorm_rows(c.p[RN_X], c.p[RN_GAIN], (float)c.f[RN_EPS], c.p[RN_OUT], (int)c.i[RN_T], (int)c.i[RN_D]);
+    Py_END_ALLOW_THREADS;
+    return end_call(&c, Py_None);
+}
+
+/* ---- rope(x, table, positions, T, nheads, nrot, hd, P): x [T][nheads][hd] in place, table [2][P][hd/2] ---- */
+enum { RO_X, RO_TABLE, RO_POS, RO_T, RO_NH, RO_NROT, RO_HD, RO_P };
+
+static const char *rope_shape(const long *i) {
+    return i[RO_NROT] > i[RO_NH] ? "nrot must be at most nheads" : i[RO_HD] % 2 ? "hd must be even" : NULL;
+}
+
+static void rope_sizes(const long *i, Py_ssize_t *n) {
+    n[RO_X] = (Py_ssize_t)i[RO_T] * i[RO_NH] * i[RO_HD];
+    n[RO_TABLE] = (Py_ssize_t)2 * i[RO_P] * (i[RO_HD] / 2);
+    n[RO_POS] = i[RO_T];
+}
+
+static const entry_spec ROPE = {"rope", 8, {
+    [RO_X] = F32_OUT("x"), [RO_TABLE] = F32("table"), [RO_POS] = IDS("positions", RO_P, "position"),
+    [RO_T] = INT("T", 0, 1L << 30), [RO_NH] = INT("nheads", 1, 1 << 16), [RO_NROT] = INT("nrot", 0, 1 << 16),
+    [RO_HD] = INT("hd", 2, 4096), [RO_P] = INT("P", 1, 1L << 30)}, rope_shape, rope_sizes};
+
+static PyObject *py_rope(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    call_t c;
+    if (parse_call(&ROPE, args, nargs, &c) < 0) return NULL;
+    const long *i = c.i;
+    Py_BEGIN_ALLOW_THREADS;
+    rope_rows(c.p[RO_X], c.p[RO_TABLE], c.p[RO_POS], (int)i[RO_T], (int)i[RO_NH], (int)i[RO_NROT], (int)i[RO_HD],
+              (int)i[RO_P]);
+    Py_END_ALLOW_THREADS;
+    return end_call(&c, Py_None);
+}
+
+/* ---- silu_mul(gate_up, out, T, F): out [T][F] = silu(gate) * up, gate_up [T][2F] = [gate | up] ---- */
+enum { SI_GU, SI_OUT, SI_T, SI_F };
+
+static void silu_mul_sizes(const long *i, Py_ssize_t *n) {
+    n[SI_GU] = (Py_ssize_t)i[SI_T] * 2 * i[SI_F];
+    n[SI_OUT] = (Py_ssize_t)i[SI_T] * i[SI_F];
+}
+
+static const entry_spec SILU_MUL = {"silu_mul", 4, {
+    [SI_GU] = F32("gate_up"), [SI_OUT] = F32_OUT("out"), [SI_T] = INT("T", 0, 1L << 30),
+    [SI_F] = INT("F", 1, 1 << 24)}, NULL, silu_mul_sizes};
+
+static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    call_t c;
+    if (parse_call(&SILU_MUL, args, nargs, &c) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS;
+    silu_mul_rows(c.p[SI_GU], c.p[SI_OUT], (int)c.i[SI_T], (int)c.i[SI_F]);
+    Py_END_ALLOW_THREADS;
+    return end_call(&c, Py_None);
+}
+
+/* ---- write_kv(k_layer, v_layer, qkv, slots, T, H, KV, hd, nslots): K and V rows of each token into its slot ---- */
+enum { KV_K, KV_V, KV_QKV, KV_SLOTS, KV_T, KV_H, KV_KV, KV_HD, KV_NSLOTS };
+
+static void write_kv_sizes(const long *i, Py_ssize_t *n) {
+    n[KV_K] = n[KV_V] = (Py_ssize_t)i[KV_NSLOTS] * i[KV_KV] * i[KV_HD];
+    n[KV_QKV] = (Py_ssize_t)i[KV_T] * (i[KV_H] + 2 * i[KV_KV]) * i[KV_HD];
+    n[KV_SLOTS] = i[KV_T];
+}
+
+static const entry_spec WRITE_KV = {"write_kv", 9, {
+    [KV_K] = F32_OUT("k_layer"), [KV_V] = F32_OUT("v_layer"), [KV_QKV] = F32("qkv"),
+    [KV_SLOTS] = IDS("slots", KV_NSLOTS, "slot"), [KV_T] = INT("T", 0, 1L << 30), [KV_H] = INT("H", 1, 4096),
+    [KV_KV] = INT("KV", 1, 4096), [KV_HD] = INT("hd", 1, 4096), [KV_NSLOTS] = INT("nslots", 1, 1L << 40)},
+    NULL, write_kv_sizes};
+
+static PyObject *py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    call_t c;
+    if (parse_call(&WRITE_KV, args, nargs, &c) < 0) return NULL;
+    const long *i = c.i;
+    Py_BEGIN_ALLOW_THREADS;
+    write_kv_rows(c.p[KV_K], c.p[KV_V], c.p[KV_QKV], c.p[KV_SLOTS], (int)i[KV_T], (int)i[KV_H], (int)i[KV_KV],
+                  (int)i[KV_HD]);
+    Py_END_ALLOW_THREADS;
+    return end_call(&c, Py_None);
+}
+
+/* ---- the pool's and the ISA's switches ---- */
+static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
+    long n = PyLong_AsLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    Py_BEGIN_ALLOW_THREADS;
+    pool_set_threads((int)n);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_get_num_threads(PyObject *self, PyObject *unused) { return PyLong_FromLong(pool_threads()); }
+
+static PyObject *py_set_spin_us(PyObject *self, PyObject *arg) {
+    double us = PyFloat_AsDouble(arg);
+    if (PyErr_Occurred()) return NULL;
+    pool_set_spin_ns((long)(us * 1000.0));
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) { return PyUnicode_FromString(g_avx2 ? "avx2" : "generic"); }
+
+static int cpu_has_avx2(void) {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+static PyObject *py_force_generic(PyObject *self, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    g_avx2 = on ? 0 : cpu_has_avx2();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"matmul", FASTCALL(py_matmul), "matmul(kind, w, rows, cols, x, n, y, mode)"},
+    {"dequantize_t", FASTCALL(py_dequantize_t), "dequantize_t(kind, w, rows, cols, out[cols, rows])"},
+    {"attention", FASTCALL(py_attention),
+     "attention(q, k, v, out, n, ctx, H, KV, hd, threads): causal grouped-query attention of one sequence"},
+    {"paged_attention", FASTCALL(py_paged_attention),
+     "paged_attention(q, k, v, table, out, n, ctx, H, KV, hd, bs, num_blocks, threads): causal attention in place"},
+    {"decode_attention", FASTCALL(py_decode_attention),
+     "decode_attention(q, k, v, tables, starts, lens, out, B, H, KV, hd, bs, num_blocks, threads)"},
+    {"rmsnorm", FASTCALL(py_rmsnorm), "rmsnorm(x, gain, eps, out, T, D)"},
+    {"rope", FASTCALL(py_rope), "rope(x, table, positions, T, nheads, nrot, hd, P)"},
+    {"silu_mul", FASTCALL(py_silu_mul), "silu_mul(gate_up, out, T, F)"},
+    {"write_kv", FASTCALL(py_write_kv), "write_kv(k_layer, v_layer, qkv, slots, T, H, KV, hd, nslots)"},
+    {"set_num_threads", py_set_num_threads, METH_O, "threads used by the kernels (including the caller)"},
+    {"get_num_threads", py_get_num_threads, METH_NOARGS, ""},
+    {"set_spin_us", py_set_spin_us, METH_O, "how long idle workers spin before sleeping (microseconds)"},
+    {"isa", py_isa, METH_NOARGS, "'avx2' or 'generic'"},
+    {"force_generic", py_force_generic, METH_O, "use the portable kernels (True) or the CPU's best (False)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__kernels(void) {
+    __builtin_cpu_init();
+    g_avx2 = cpu_has_avx2(); /* QUANT_KERNELS_GENERIC is applied by kernels/backend.py (force_generic) */
+    pool_init();
+    return PyModule_Create(&moddef);
+}
