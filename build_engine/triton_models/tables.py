@@ -123,15 +123,19 @@ TENSORRT_LLM_INPUTS = (
     _b("streaming", **_T),
     Tensor("lora_task_id", "UINT64", **_T, served=False),
 )
-TENSORRT_LLM_OUTPUTS = (
-    _i("output_ids", dims=(-1, -1)),
-    _i("sequence_length", dims=(-1,)),
+# what tensorrt_llm returns per sequence besides its ids, and the ensemble passes through
+_SEQUENCE_OUTPUTS = (
     _f("cum_log_probs", dims=(-1,)),
     _f("output_log_probs", dims=(-1, -1)),
     _f("context_logits", dims=(-1, -1), served=False),
     _f("generation_logits", dims=(-1, -1, -1), served=False),
     _i("batch_index"),
     _i("sequence_index"),
+)
+TENSORRT_LLM_OUTPUTS = (
+    _i("output_ids", dims=(-1, -1)),
+    _i("sequence_length", dims=(-1,)),
+    *_SEQUENCE_OUTPUTS,
     Tensor("context_phase_params", "UINT8", dims=(-1,), served=False),
     *(_i(name) for name in KV_CACHE_OUTPUTS),
     *(Tensor(name, "INT64") for name in PERF_OUTPUTS),
@@ -170,12 +174,7 @@ ENSEMBLE_INPUTS = (
 )
 ENSEMBLE_OUTPUTS = (
     Tensor("text_output", "BYTES", dims=(-1,), note="[batch x beams] (NVIDIA's postprocessing: one flat array)"),
-    _f("cum_log_probs", dims=(-1,)),
-    _f("output_log_probs", dims=(-1, -1)),
-    _f("context_logits", dims=(-1, -1), served=False),
-    _f("generation_logits", dims=(-1, -1, -1), served=False),
-    _i("batch_index"),
-    _i("sequence_index"),
+    *_SEQUENCE_OUTPUTS,
     *(_i(name) for name in KV_CACHE_OUTPUTS),
     *(Tensor(name, "INT64") for name in PERF_OUTPUTS),
     _f("acceptance_rate"),
