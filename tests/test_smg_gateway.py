@@ -1,0 +1,139 @@
+"""The Shepherd Model Gateway (smg, the real binary from PyPI) in front of this server's trtllm.TrtllmService, and
+the real `openai` SDK in front of smg, all on loopback: chat and completions, streaming and not, give the same
+greedy text as llm.v1 for the same prompt. smg takes the tokenizer bundle this server's GetTokenizer serves
+(unzipped into a directory named after the served model, which is how smg 1.13.0 matches a --tokenizer-path
+to a worker's model). Skipped, saying why, where smg or openai is not installed or the binary cannot run."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shutil
+import subprocess
+import urllib.request
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from smg_grpc_proto import trtllm_service_pb2_grpc as pb_grpc
+from smg_grpc_proto.generated import common_pb2
+
+from protos.llm.v1 import llm_pb2
+from tests.servers import ServerThread, free_port, generate, ids_and_text, running_server
+from tests.waiting import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.server]
+
+openai = pytest.importorskip("openai", reason="the openai SDK is not installed (requirements-dev.txt pins it)")
+SMG = shutil.which("smg")
+COMPLETION = "The capital of France is"
+QUESTION = "What is the capital of France?"
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def worker(smollm2_engine_dir: Path) -> Iterator[ServerThread]:
+    with running_server(smollm2_engine_dir) as srv:
+        yield srv
+
+
+def _bundle(worker: ServerThread, into: Path) -> None:
+    chunks = list(pb_grpc.TrtllmServiceStub(worker.channel()).GetTokenizer(common_pb2.GetTokenizerRequest()))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    zipfile.ZipFile(io.BytesIO(data)).extractall(into)
+
+
+def _ok(url: str) -> bool:
+    try:
+        body = (
+            b'{"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 1, "temperature": 0}'  # a tokenizer and a worker
+        )
+        req = urllib.request.Request(url + "/v1/completions", body, {"content-type": "application/json"})
+        return urllib.request.urlopen(req, timeout=10).status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def gateway(worker: ServerThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if SMG is None:
+        pytest.skip("the smg binary is not installed (pip install smg==1.13.0, requirements-dev.txt)")
+    run = tmp_path_factory.mktemp("smg")
+    model = worker.server.backend.info.model_name
+    _bundle(worker, run / model)
+    port = free_port()
+    cmd = [SMG, "launch", "--worker-urls", f"grpc://{worker.target}", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--tokenizer-path", model]
+    log = (run / "smg.log").open("wb")
+    proc = subprocess.Popen(cmd, cwd=run, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                pytest.skip(f"smg exited with {proc.returncode}: {(run / 'smg.log').read_text()[-500:]}")
+            return _ok(url)
+
+        wait_until(up, "smg routing to the worker", within=60)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+def _llm_v1(worker: ServerThread, **input_field) -> str:
+    req = llm_pb2.GenerateRequest(
+        sampling=llm_pb2.SamplingParams(temperature=0),
+        stopping=llm_pb2.StoppingParams(max_tokens=MAX_TOKENS),
+        **input_field,
+    )
+    chunks, _ = generate(worker.stub(), req)
+    return ids_and_text(chunks)[1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_through_smg_match_llm_v1(worker: ServerThread, gateway: str, stream: bool) -> None:
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="none")
+    args = {"model": "smollm2-135m", "prompt": COMPLETION, "max_tokens": MAX_TOKENS, "temperature": 0}
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **args) if c.choices)
+    else:
+        text = client.completions.create(**args).choices[0].text
+    assert text and text == _llm_v1(worker, prompt=COMPLETION)
+    assert worker.idle()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_through_smg_matches_llm_v1(worker: ServerThread, gateway: str, stream: bool) -> None:
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="none")
+    messages = [{"role": "user", "content": QUESTION}]
+    args = {"model": "smollm2-135m", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    if stream:
+        parts = client.chat.completions.create(stream=True, **args)
+        text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    else:
+        text = client.chat.completions.create(**args).choices[0].message.content
+    chat = llm_pb2.ChatMessages(messages=[llm_pb2.ChatMessage(role="user", content=QUESTION)])
+    assert text and text == _llm_v1(worker, messages=chat)
+    assert worker.idle()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"max_tokens": 5000},  # past the context
+        {"temperature": -1},
+        {"model": "no-such-model"},
+        {"prompt": "x" * 10_000_000},  # 10 MB
+    ],
+    ids=["max-tokens-past-context", "negative-temperature", "unknown-model", "10MB-prompt"],
+)
+def test_bad_input_through_smg_is_4xx(gateway: str, args: dict) -> None:
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0)
+    body = {"model": "smollm2-135m", "prompt": COMPLETION, "max_tokens": 4, **args}
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(**body)
+    assert 400 <= err.value.status_code < 500, (err.value.status_code, err.value.message)
