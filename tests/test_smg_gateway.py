@@ -137,3 +137,41 @@ def test_bad_input_through_smg_is_4xx(gateway: str, args: dict) -> None:
     with pytest.raises(openai.APIStatusError) as err:
         client.completions.create(**body)
     assert 400 <= err.value.status_code < 500, (err.value.status_code, err.value.message)
+
+
+def test_chat_prompt_ids_are_our_own_rendering(worker: ServerThread, gateway: str) -> None:
+    """smg renders the chat template and tokenizes itself, from our bundle: the ids it sends are what our own
+    chat rendering (llm.v1 Tokenize) gives."""
+    backend = worker.server.backend
+    sent: list[list[int]] = []
+    real = backend.generate
+
+    def spy(gen, on_done=None):
+        sent.append(list(gen.prompt_token_ids))
+        return real(gen, on_done)
+
+    backend.generate = spy
+    try:
+        client = openai.OpenAI(base_url=gateway + "/v1", api_key="none")
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
+        client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=2, temperature=0)
+    finally:
+        del backend.generate
+    chat = llm_pb2.ChatMessages(messages=[llm_pb2.ChatMessage(**m) for m in messages])
+    ours = worker.stub().Tokenize(llm_pb2.TokenizeRequest(messages=chat)).token_ids
+    assert sent == [list(ours)]
+
+
+def test_dropped_clients_leave_no_kv_blocks(worker: ServerThread, gateway: str) -> None:
+    """A streaming client that goes away (smg sends Abort) and a non-streaming one (smg cancels the call)."""
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="none", max_retries=0)
+    args = {"model": "smollm2-135m", "prompt": COMPLETION, "max_tokens": 1000, "temperature": 0}
+    # a floor of 50 ms per step: 1000 tokens take over 50 s, so idle within 20 s means the request was aborted
+    with worker.paced(min_step_s=0.05):
+        stream = client.completions.create(stream=True, **args)
+        next(iter(stream))
+        stream.close()
+        assert worker.idle(within=20), "a dropped streaming client left KV blocks behind"
+        with pytest.raises(openai.APITimeoutError):
+            client.with_options(timeout=1.0).completions.create(**args)
+        assert worker.idle(within=20), "a dropped non-streaming client left KV blocks behind"
