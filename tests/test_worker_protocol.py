@@ -27,7 +27,7 @@ from protos.llm.v1 import llm_pb2
 from service.api.worker import convert
 from service.errors import InvalidRequest
 from tests.engines import build_tiny
-from tests.servers import ServerThread, generate, ids_and_text, make_config
+from tests.servers import ServerThread, generate, ids_and_text, make_config, running_server
 from tests.trtllm_double import installed
 from tests.waiting import wait_until
 
@@ -314,6 +314,22 @@ def test_a_request_id_in_flight_twice_is_refused(server: ServerThread) -> None:
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "already in flight" in details
         call.cancel()
     assert server.idle()
+
+
+def test_overload_is_resource_exhausted(engine_dir: Path) -> None:
+    with running_server(engine_dir, max_queue=1, max_num_seqs=1) as srv, srv.paced() as paced:
+        stub = _stub(srv)
+        running = stub.Generate(_req(max_tokens=900))
+        next(running)  # it holds the only sequence slot
+        paced.hold()
+        queued = stub.Generate(_req(max_tokens=4))
+        wait_until(lambda: srv.server.backend.num_in_flight == 2, "the second request queued")
+        code, details = _code(stub, _req(max_tokens=4))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in details
+        running.cancel()
+        paced.release()
+        assert list(queued)[-1].complete.finish_reason == "length"
+        assert srv.idle()
 
 
 # ---- readiness, info, the bundle -----------------------------------------------------------------------------

@@ -119,9 +119,12 @@ class TrtllmServicer:
                         stream = backend.generate(gen, on_done=slot.release)
                     except InvalidRequest as exc:  # the backend's own refusal names llm.v1's fields
                         raise InvalidRequest(convert.proto_names(str(exc))) from None
-                    async with contextlib.aclosing(stream) as outputs:
+                    async with (
+                        contextlib.aclosing(stream) as outputs,
+                        contextlib.aclosing(_until(outputs, aborted)) as steps,
+                    ):
                         writes.on_stall = lambda: _spawn(outputs.aclose())
-                        async for out in _until(outputs, aborted):
+                        async for out in steps:
                             call.tokens += len(out.new_token_ids)
                             if out.finished and out.finish_reason == "abort" and self.edge.cut:
                                 raise ServerShutdown("the server shut down before the request finished")
