@@ -6,10 +6,14 @@ to a worker's model). Skipped, saying why, where smg or openai is not installed 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import io
 import shutil
 import subprocess
+import threading
+import urllib.error
 import urllib.request
 import zipfile
 from collections.abc import Iterator
@@ -20,7 +24,7 @@ from smg_grpc_proto import trtllm_service_pb2_grpc as pb_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from protos.llm.v1 import llm_pb2
-from tests.servers import ServerThread, free_port, generate, ids_and_text, running_server
+from tests.servers import ServerThread, free_port, generate, ids_and_text, make_config, running_server
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -56,32 +60,40 @@ def _ok(url: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def gateway(worker: ServerThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@contextlib.contextmanager
+def _smg(worker_target: str, model: str, run: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """smg launched in `run` (which holds the bundle as `run/model`) against one worker: (its URL, the process)."""
     if SMG is None:
         pytest.skip("the smg binary is not installed (pip install smg==1.13.0, requirements-dev.txt)")
+    port = free_port()
+    cmd = [SMG, "launch", "--worker-urls", f"grpc://{worker_target}", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--tokenizer-path", model]
+    with (run / "smg.log").open("wb") as log:
+        proc = subprocess.Popen(cmd, cwd=run, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield f"http://127.0.0.1:{port}", proc
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def _wait_routing(url: str, proc: subprocess.Popen, run: Path, within: float = 60) -> None:
+    def up() -> bool:
+        if proc.poll() is not None:
+            pytest.skip(f"smg exited with {proc.returncode}: {(run / 'smg.log').read_text()[-500:]}")
+        return _ok(url)
+
+    wait_until(up, "smg routing to the worker", within)
+
+
+@pytest.fixture(scope="module")
+def gateway(worker: ServerThread, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     run = tmp_path_factory.mktemp("smg")
     model = worker.server.backend.info.model_name
     _bundle(worker, run / model)
-    port = free_port()
-    cmd = [SMG, "launch", "--worker-urls", f"grpc://{worker.target}", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--tokenizer-path", model]
-    log = (run / "smg.log").open("wb")
-    proc = subprocess.Popen(cmd, cwd=run, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-
-        def up() -> bool:
-            if proc.poll() is not None:
-                pytest.skip(f"smg exited with {proc.returncode}: {(run / 'smg.log').read_text()[-500:]}")
-            return _ok(url)
-
-        wait_until(up, "smg routing to the worker", within=60)
+    with _smg(worker.target, model, run) as (url, proc):
+        _wait_routing(url, proc, run)
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
 
 
 def _llm_v1(worker: ServerThread, **input_field) -> str:
@@ -175,3 +187,45 @@ def test_dropped_clients_leave_no_kv_blocks(worker: ServerThread, gateway: str) 
         with pytest.raises(openai.APITimeoutError):
             client.with_options(timeout=1.0).completions.create(**args)
         assert worker.idle(within=20), "a dropped non-streaming client left KV blocks behind"
+
+
+def test_a_worker_warming_up_gets_no_generate_then_joins(
+    worker: ServerThread, smollm2_engine_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """smg registers a worker only once its HealthCheck says OK: while ours warms up every RPC is UNAVAILABLE, so
+    a request through smg fails (never reaching an engine), and once warm smg's registration retries find it."""
+    from service.api.server import LLMServer
+
+    real = LLMServer._warm_up
+    release = threading.Event()
+
+    async def slow_warm_up(self, engine):
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 120)
+        await real(self, engine)
+
+    monkeypatch.setattr(LLMServer, "_warm_up", slow_warm_up)
+    model = worker.server.backend.info.model_name
+    _bundle(worker, tmp_path / model)  # the warm worker's bundle: the cold one answers UNAVAILABLE
+    cold = ServerThread(make_config(smollm2_engine_dir)).start(wait_ready=False)
+    try:
+        wait_until(lambda: cold.server.port, "the port bound")
+        with _smg(cold.target, model, tmp_path) as (url, proc):
+            wait_until(lambda: _listening(url), "smg's HTTP port up", within=60)
+            assert not _ok(url)  # no worker to route to: smg answers an error, not a completion
+            assert cold.server.backend is None  # nothing could have generated
+            release.set()
+            cold.startup.result(timeout=120)
+            _wait_routing(url, proc, tmp_path, within=120)
+    finally:
+        release.set()
+        cold.stop()
+
+
+def _listening(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url + "/workers", timeout=5)
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
