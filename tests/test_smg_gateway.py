@@ -229,3 +229,26 @@ def _listening(url: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def test_stop_string_is_stop_word_and_smg_trims_it(worker: ServerThread, gateway: str) -> None:
+    """A stop string ends the request with finish_reason "stop_word" and matched_stop_str; the ids run up to the
+    token that completed it, and smg's text ends before it, as llm.v1's does."""
+    from smg_grpc_proto import trtllm_service_pb2 as pb
+
+    ids = list(worker.stub().Tokenize(llm_pb2.TokenizeRequest(text=COMPLETION)).token_ids)
+    req = pb.GenerateRequest(
+        request_id="stop-word", tokenized=pb.TokenizedInput(input_token_ids=ids), max_tokens=MAX_TOKENS, stop=["answer"]
+    )
+    req.sampling_config.temperature = 0
+    *_, last = pb_grpc.TrtllmServiceStub(worker.channel()).Generate(req)
+    assert last.complete.finish_reason == "stop_word" and last.complete.matched_stop_str == "answer"
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="none")
+    args = {"model": "smollm2-135m", "prompt": COMPLETION, "max_tokens": MAX_TOKENS, "temperature": 0}
+    choice = client.completions.create(stop=["answer"], **args).choices[0]
+    llm = llm_pb2.GenerateRequest(
+        prompt=COMPLETION,
+        sampling=llm_pb2.SamplingParams(temperature=0),
+        stopping=llm_pb2.StoppingParams(max_tokens=MAX_TOKENS, stop=["answer"]),
+    )
+    assert choice.finish_reason == "stop" and choice.text == ids_and_text(generate(worker.stub(), llm)[0])[1]
