@@ -28,6 +28,7 @@ ROOMS = {
     "service.api.llm": ("llm_door", "service/api/llm: the llm.v1 door"),
     "service.api": ("edge", "service/api: the edge, validation, status, auth, health, metrics"),
     "service.api.triton": ("triton_door", "service/api/triton: the KServe v2 door, gRPC and HTTP/REST"),
+    "service.api.worker": ("worker_door", "service/api/worker: the trtllm.TrtllmService door (smg-grpc-proto)"),
     "service.backends": ("backends", "service/backends: the Backend seam, runtime, native, trtllm, triton"),
     "service.engine": ("engine", "service/engine: EngineCore, scheduler, KV cache, sampler"),
     "service.engine.runners": ("runners", "service/engine/runners: the model runner"),

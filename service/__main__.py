@@ -275,7 +275,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         prog="python -m service",
-        description="Serve an engine over gRPC (llm.v1.LLMService, grpc.health.v1, reflection; with --triton-port and "
+        description="Serve an engine over gRPC (llm.v1.LLMService, TensorRT-LLM's worker protocol trtllm.TrtllmService "
+        "for gateways such as smg, grpc.health.v1, reflection, all on --port; with --triton-port and "
         "--triton-http-port, Triton's KServe v2 protocol too, over gRPC and HTTP/REST) with Prometheus metrics. Every "
         "flag can also be set by the environment variable shown in brackets.",
     )

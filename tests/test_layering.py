@@ -93,14 +93,22 @@ def test_engine_imports_no_front_door_or_backend() -> None:
 
 
 def test_front_doors_import_the_edge_not_each_other() -> None:
-    """The Triton door (service/api/triton/) and the llm.v1 door (service/api/llm/) share service/api/edge.py and
-    the modules around it; neither imports the other, the edge imports neither, and only the Triton door's
-    field mappings see tritonclient while only the llm.v1 door's see llm.v1's protobufs."""
+    """The Triton door (service/api/triton/), the llm.v1 door (service/api/llm/) and the worker door
+    (service/api/worker/, trtllm.TrtllmService) share service/api/edge.py and the modules around it; none imports
+    another, the edge imports none, and only the Triton door's field mappings see tritonclient, only the llm.v1
+    door's llm.v1's protobufs, only the worker door's smg-grpc-proto's."""
     triton = _loaded_by_each("service.api.triton")
     assert "service.api.triton.servicer" in triton and "service.api.edge" in set().union(*triton.values())
     assert not _offenders(triton, "service.api.llm", "service.api.server", "protos")
     llm = _loaded_by_each("service.api.llm")
     assert "service.api.llm.servicer" in llm and "service.api.edge" in set().union(*llm.values())
-    assert not _offenders(llm, "service.api.triton", "service.api.server", "tritonclient")
+    assert not _offenders(llm, "service.api.triton", "service.api.worker", "service.api.server", "tritonclient")
+    assert not _offenders(llm, "smg_grpc_proto")
+    assert not _offenders(triton, "service.api.worker", "smg_grpc_proto")
+    worker = _loaded_by_each("service.api.worker")
+    assert "service.api.worker.servicer" in worker and "service.api.edge" in set().union(*worker.values())
+    assert not _offenders(worker, "service.api.llm", "service.api.triton", "service.api.server", "protos")
+    assert not _offenders(worker, "tritonclient")
     edge = _loaded_after("service.api.edge")
-    assert not {m for m in edge if m.startswith(("service.api.llm", "service.api.triton", "protos", "tritonclient"))}
+    doors = ("service.api.llm", "service.api.triton", "service.api.worker", "protos", "tritonclient", "smg_grpc_proto")
+    assert not {m for m in edge if m.startswith(doors)}

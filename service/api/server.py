@@ -1,4 +1,5 @@
-"""The gRPC server: LLMService, grpc.health.v1, reflection, Prometheus, auth, TLS, graceful drain; with
+"""The gRPC server: LLMService and TensorRT-LLM's worker protocol trtllm.TrtllmService (service/api/worker/, for
+gateways such as smg) on one port, grpc.health.v1, reflection, Prometheus, auth, TLS, graceful drain; with
 `--triton-port`, a second grpc.aio server on that port for the Triton (KServe v2) front door, over the same
 backend, with the same interceptors, credentials, RPC limit and drain (service/api/triton/); with
 `--triton-http-port`, the same door's HTTP/REST protocol on that port (aiohttp: service/api/triton/http.py), over
@@ -29,6 +30,8 @@ from service.api.interceptors import AuthInterceptor, read_tokens
 from service.api.llm.servicer import LLMServicer
 from service.api.metrics import ServiceMetrics
 from service.api.validation import transport_limit
+from service.api.worker.servicer import SERVICE_NAME as WORKER_SERVICE_NAME
+from service.api.worker.servicer import TrtllmServicer
 from service.backends import load_backend
 from service.backends.base import Backend
 from service.config import ServerConfig
@@ -83,6 +86,8 @@ class LLMServer:
         self.health = DrainingHealthServicer()
         self.edge = Edge(cfg, lambda: self.backend, self.metrics.stream_stalled)
         self.servicer = LLMServicer(self.edge, self.metrics, cfg.log_prompts)
+        # TensorRT-LLM's worker protocol, for gateways (smg): on the same server, port, edge and health service
+        self.worker_servicer = TrtllmServicer(self.edge, self.metrics, cfg.backend.engine_dir)
         self.metrics.watch_slots(lambda: self.edge.num_active)
         self._server: grpc.aio.Server | None = None
         self._triton_server: grpc.aio.Server | None = None
@@ -114,7 +119,7 @@ class LLMServer:
         if cfg.triton_http_port is not None:
             self._triton_http = self._triton_http_door()
         # NOTE: the aio HealthServicer answers SERVING by default; say NOT_SERVING before anyone can ask.
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, WORKER_SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.metrics.watch_event_loop(asyncio.get_running_loop())
         self._check_ports_free()  # one line naming every busy port and its flag, before gRPC core's own log
@@ -253,9 +258,11 @@ class LLMServer:
             ),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        server.add_generic_rpc_handlers((self.worker_servicer.generic_handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.cfg.reflection:
-            names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+            health = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+            names = (SERVICE_NAME, WORKER_SERVICE_NAME, health, reflection.SERVICE_NAME)
             reflection.enable_server_reflection(names, server)
 
     def _load_backend(self) -> Backend:
@@ -291,7 +298,7 @@ class LLMServer:
         if self._draining:
             return
         status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in ("", SERVICE_NAME, WORKER_SERVICE_NAME):
             await self.health.set(name, status)
 
     # ---- shutdown --------------------------------------------------------------------------------
