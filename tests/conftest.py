@@ -9,6 +9,7 @@ import pytest
 from build_engine.builder import build
 from build_engine.tiny import write_tiny_checkpoint
 from tests.engines import build_tiny
+from tests.trtllm_double import installed
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +29,14 @@ def smollm2_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("engines") / "smollm2-135m"
     build("smollm2-135m", out, {"max_seq_len": 2048}, progress=False)
     return out
+
+
+@pytest.fixture(scope="module", params=["native", "trtllm"])
+def backend(request: pytest.FixtureRequest):
+    """For the modules that take it: each test against the native backend and against the TensorRT-LLM backend
+    over its test double (tests/trtllm_double, installed as `tensorrt_llm` for the module)."""
+    if request.param == "trtllm":
+        with installed():
+            yield request.param
+    else:
+        yield request.param

@@ -20,22 +20,11 @@ from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 from service.request import MAX_LOGPROBS
 from tests.engines import build_tiny
 from tests.servers import ServerThread, generate, make_config, running_server
-from tests.trtllm_double import installed
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.server
 
 VOCAB = 267
-
-
-@pytest.fixture(scope="module", params=["native", "trtllm"])
-def backend(request: pytest.FixtureRequest):
-    """Every test here runs against the native backend and against the TensorRT-LLM backend over its test double."""
-    if request.param == "trtllm":
-        with installed():
-            yield request.param
-    else:
-        yield request.param
 
 
 @pytest.fixture(scope="module")

@@ -28,23 +28,12 @@ from service.api.worker import convert
 from service.errors import InvalidRequest
 from tests.engines import build_tiny
 from tests.servers import ServerThread, generate, ids_and_text, make_config, running_server
-from tests.trtllm_double import installed
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.server
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 _ids = itertools.count()
-
-
-@pytest.fixture(scope="module", params=["native", "trtllm"])
-def backend(request: pytest.FixtureRequest):
-    """The native backend, and the TensorRT-LLM backend over its test double."""
-    if request.param == "trtllm":
-        with installed():
-            yield request.param
-    else:
-        yield request.param
 
 
 @pytest.fixture(scope="module")
