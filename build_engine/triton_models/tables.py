@@ -276,6 +276,9 @@ _LORA = "LoRA adapters are not supported"
 _PROMPT_TABLE = "prompt tuning / multimodal embeddings are not supported"
 _ENCODER = "this is a decoder-only model (no encoder)"
 _GUIDED = "guided decoding is not supported yet"
+_RETENTION = "KV cache retention priorities are not supported"
+_BIAS = "embedding bias is not supported"
+_REUSE_STATS = "not an input of the 1.x models: return_perf_metrics returns the kv_cache_* outputs"
 REFUSED: dict[str, dict[str, str]] = {
     "tensorrt_llm": {
         "encoder_input_features": _ENCODER, "encoder_output_lengths": _ENCODER, "cross_attention_mask": _ENCODER,
@@ -286,33 +289,26 @@ REFUSED: dict[str, dict[str, str]] = {
         "prompt_vocab_size": _PROMPT_TABLE, "mrope_rotary_cos_sin": _PROMPT_TABLE,
         "mrope_position_deltas": _PROMPT_TABLE, "lora_task_id": _LORA, "lora_weights": _LORA, "lora_config": _LORA,
         "context_phase_params": "disaggregated serving (context / generation phases) is not supported",
-        "retention_token_range_starts": "KV cache retention priorities are not supported",
-        "retention_token_range_ends": "KV cache retention priorities are not supported",
-        "retention_token_range_priorities": "KV cache retention priorities are not supported",
-        "retention_token_range_durations_ms": "KV cache retention priorities are not supported",
-        "retention_decode_priority": "KV cache retention priorities are not supported",
-        "retention_decode_duration_ms": "KV cache retention priorities are not supported",
+        "retention_token_range_starts": _RETENTION, "retention_token_range_ends": _RETENTION,
+        "retention_token_range_priorities": _RETENTION, "retention_token_range_durations_ms": _RETENTION,
+        "retention_decode_priority": _RETENTION, "retention_decode_duration_ms": _RETENTION,
         "guided_decoding_guide_type": _GUIDED, "guided_decoding_guide": _GUIDED,
-        "embedding_bias": "embedding bias is not supported", "runtime_top_p_min": "top-p decay is not supported",
+        "embedding_bias": _BIAS, "runtime_top_p_min": "top-p decay is not supported",
         "runtime_top_p_decay": "top-p decay is not supported", "runtime_top_p_reset_ids": "top-p decay is not "
         "supported", "early_stopping": "beam search is not supported (beam_width 1 only)",
         "beam_search_diversity_rate": "beam search is not supported (beam_width 1 only)",
-        "return_kv_cache_reuse_stats": "not an input of the 1.x models: return_perf_metrics returns the "
-        "kv_cache_* outputs",
+        "return_kv_cache_reuse_stats": _REUSE_STATS,
     },
     "ensemble": {
         "decoder_text_input": _ENCODER, "prompt_embedding_table": _PROMPT_TABLE,
         "prompt_table_extra_id": _PROMPT_TABLE, "prompt_vocab_size": _PROMPT_TABLE,
-        "embedding_bias_words": "embedding bias is not supported", "embedding_bias_weights":
-        "embedding bias is not supported", "lora_task_id": _LORA, "lora_weights": _LORA, "lora_config": _LORA,
+        "embedding_bias_words": _BIAS, "embedding_bias_weights": _BIAS, "lora_task_id": _LORA, "lora_weights": _LORA, "lora_config": _LORA,
         "guided_decoding_guide_type": _GUIDED, "guided_decoding_guide": _GUIDED, "num_draft_tokens": _SPECULATIVE,
         "use_draft_logits": _SPECULATIVE,
-        "return_kv_cache_reuse_stats": "not an input of the 1.x models: return_perf_metrics returns the "
-        "kv_cache_* outputs",
+        "return_kv_cache_reuse_stats": _REUSE_STATS,
     },
     "preprocessing": {
         "DECODER_QUERY": _ENCODER, "IMAGE_BYTES": _PROMPT_TABLE, "IMAGE_URL": _PROMPT_TABLE,
-        "VIDEO_BYTES": _PROMPT_TABLE, "EMBEDDING_BIAS_WORDS": "embedding bias is not supported",
-        "EMBEDDING_BIAS_WEIGHTS": "embedding bias is not supported", "PROMPT_TABLE_EXTRA_ID": _PROMPT_TABLE,
+        "VIDEO_BYTES": _PROMPT_TABLE, "EMBEDDING_BIAS_WORDS": _BIAS, "EMBEDDING_BIAS_WEIGHTS": _BIAS, "PROMPT_TABLE_EXTRA_ID": _PROMPT_TABLE,
     },
 }  # fmt: skip

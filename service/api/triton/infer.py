@@ -135,6 +135,14 @@ class TritonInference:
         except InvalidRequest as exc:  # admission's messages name llm.v1 fields: use the tensors' names
             raise InvalidRequest(tensor_names(str(exc), call.model)) from None
 
+    async def _step(self, req: service_pb2.ModelInferRequest, peer: str, stream: bool) -> Response | None:
+        """The response of a request to a step model (preprocessing, postprocessing: steps.py), or None for the
+        LLM models, which the caller runs."""
+        spec = self.models.find(req.model_name, req.model_version)
+        if spec.kind not in STEP_KINDS:
+            return None
+        return await self.steps.infer(spec, req, self.edge.ready(), peer, stream=stream)
+
     @staticmethod
     def _decoder(backend: Backend):
         """ids -> text as the ensemble's postprocessing step decodes them (special tokens skipped)."""
@@ -150,11 +158,11 @@ class TritonInference:
             with self.edge.slot(context.peer()) as slot:
                 req = self.edge.parse(service_pb2.ModelInferRequest, raw)
                 call.label, call.request_id = req.model_name, req.id or None
-                spec = self.models.find(req.model_name, req.model_version)
-                if spec.decoupled:
+                if self.models.find(req.model_name, req.model_version).decoupled:
                     raise Unsupported(DECOUPLED_INFER)
-                if spec.kind in STEP_KINDS:
-                    return await self.steps.infer(spec, req, self.edge.ready(), slot.peer, stream=False)
+                step = await self._step(req, slot.peer, stream=False)
+                if step is not None:
+                    return step
                 request, backend, _ = await self._prepare(req)
                 if request.stop:  # nothing to stop: a unary request has no stream its id could name
                     return ResponseBuilder(request.model.name, MODEL_VERSION, request.client_id, stream=False).response
@@ -184,9 +192,9 @@ class TritonInference:
                 writes.on_stall = asyncio.current_task().cancel  # the consumer waits in its write: end it there
                 req = self.edge.parse(service_pb2.ModelInferRequest, raw)
                 call.label, call.request_id = req.model_name, req.id or None
-                spec = self.models.find(req.model_name, req.model_version)
-                if spec.kind in STEP_KINDS:
-                    yield await self.steps.infer(spec, req, self.edge.ready(), slot.peer, stream=True)
+                step = await self._step(req, slot.peer, stream=True)
+                if step is not None:
+                    yield step
                     return
                 request, backend, empty_final = await self._prepare(req)
                 if request.stop:  # a stream of one request holds nothing a stop could name
@@ -270,9 +278,9 @@ class TritonInference:
             with self.edge.slot(stream.peer) as slot:
                 req = self.edge.parse(service_pb2.ModelInferRequest, raw)
                 model, client_id = req.model_name, req.id
-                spec = self.models.find(req.model_name, req.model_version)
-                if spec.kind in STEP_KINDS:
-                    await queue.put(await self.steps.infer(spec, req, self.edge.ready(), stream.peer, stream=True))
+                step = await self._step(req, stream.peer, stream=True)
+                if step is not None:
+                    await queue.put(step)
                     return
                 call, backend, empty_final = await self._prepare(req)
                 stream.tasks[me] = client_id

@@ -33,14 +33,14 @@ class Steps:
         """One step's response (a ModelStreamInferResponse when `stream`), its outputs as Triton's python models
         shape them (batch first)."""
         tensors = decode_inputs(spec, req)
+        requested = [o.name for o in req.outputs]
+        for name in requested:  # checked before any work is done
+            if spec.output(name) is None:
+                raise InvalidRequest(f"unexpected inference output '{name}' for model '{spec.name}'")
         if spec.kind == "preprocessing":
             outputs = await self._preprocess(tensors, backend, peer)
         else:
             outputs = await self._postprocess(tensors, backend, peer)
-        requested = [o.name for o in req.outputs]
-        for name in requested:
-            if spec.output(name) is None:
-                raise InvalidRequest(f"unexpected inference output '{name}' for model '{spec.name}'")
         b = ResponseBuilder(spec.name, MODEL_VERSION, req.id, stream=stream)
         for t in spec.outputs:
             if not requested or t.name in requested:
