@@ -372,6 +372,9 @@ def test_step_models_refuse_bad_input_by_name(unary: ServerThread) -> None:
                 _t("TOKENS_BATCH", np.array([[[1, 2]]], dtype=np.int32)),
                 _t("SEQUENCE_LENGTH", np.array([[3]], dtype=np.int32)),
             ],
+            "the model's context": [  # more ids than any request can hold: refused before decoding
+                _t("TOKENS_BATCH", np.ones((1, 2, unary.server.backend.info.max_seq_len), dtype=np.int32)),
+            ],
         }
         for name, tensors in bad.items():
             with pytest.raises(InferenceServerException, match=name) as err:

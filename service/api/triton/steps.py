@@ -83,6 +83,11 @@ class Steps:
                 f"SEQUENCE_LENGTH must have shape {list(tokens.shape[:-1])} (TOKENS_BATCH's batch and beams) and "
                 f"values in [0, {tokens.shape[-1]}]"
             )
+        if tokens.shape[1] * tokens.shape[2] > backend.info.max_seq_len:  # bounds the decode work (and GIL time)
+            raise InvalidRequest(
+                f"TOKENS_BATCH holds {tokens.shape[1] * tokens.shape[2]} token ids; at most "
+                f"{backend.info.max_seq_len} (the model's context) are decoded per request"
+            )
         if tokens.shape[2] == 0:  # nothing to decode (numpy cannot reshape an empty batch by -1)
             return {"OUTPUT": np.array([b""] * tokens.shape[1], dtype=np.object_)}
         limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
