@@ -114,13 +114,21 @@ def scrape(metrics_url: str) -> dict[str, float]:
     return samples
 
 
-async def wait_idle(metrics_url: str, within_s: float = 5.0) -> dict[str, float]:
-    """Poll until no request runs or waits and no KV block is used; return the last scrape."""
+SETTLE_S = 30.0  # how long a soak waits for the server to come back to its baseline before it compares
+
+
+async def wait_idle(
+    metrics_url: str, within_s: float = 5.0, settled: dict[str, float] | None = None
+) -> dict[str, float]:
+    """Poll until no request runs or waits and no KV block is used, and every gauge named in `settled` is back at
+    or under its value there (handlers of cancelled streams finish their bookkeeping after the client has moved
+    on, later on a busy box); return the last scrape (at `within_s`, whatever it shows)."""
     deadline = time.monotonic() + within_s
     while True:
         s = await asyncio.to_thread(scrape, metrics_url)
         idle = not s["llm_kv_cache_blocks_used"] and not s["llm_num_requests_running"]
-        if (idle and not s["llm_num_requests_waiting"]) or time.monotonic() > deadline:
+        back = all(s.get(name, 0.0) <= value for name, value in (settled or {}).items())
+        if (idle and not s["llm_num_requests_waiting"] and back) or time.monotonic() > deadline:
             return s
         await asyncio.sleep(0.05)
 
@@ -268,6 +276,7 @@ async def soak(
     await streams(channel, warmup, concurrency, max_tokens, cancel_share, seed + 1, metadata)
     report = SoakReport(baseline=await wait_idle(metrics_url))
     await streams(channel, n, concurrency, max_tokens, cancel_share, seed, metadata, report)
-    await asyncio.sleep(0.5)  # cancelled handlers finish their bookkeeping
-    report.after = await wait_idle(metrics_url)
+    # the server's own tasks may take a while to end after the last cancel: wait for them (bounded), not a guess
+    tasks = {"llm_event_loop_tasks": report.baseline.get("llm_event_loop_tasks", 0.0)}
+    report.after = await wait_idle(metrics_url, within_s=SETTLE_S, settled=tasks)
     return report
