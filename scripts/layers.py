@@ -33,7 +33,10 @@ ROOMS = {
     "service.engine": ("engine", "service/engine: EngineCore, scheduler, KV cache, sampler"),
     "service.engine.runners": ("runners", "service/engine/runners: the model runner"),
     "service.engine.kernels": ("kernels", "service/engine/kernels: the compiled ops, their fallbacks, the choice"),
-    "service": ("leaves", "service leaves: request, config, errors, limits, stops, tokenizer, textstream, telemetry"),
+    "service": (
+        "leaves",
+        "service leaves: request, config, errors, limits, stops, tokenizer, textstream, telemetry, kv_events",
+    ),
     "build_engine": ("build", "build_engine: the engine directory"),
     "build_engine.triton_models": ("triton_models", "build_engine/triton_models: Triton model tables"),
     "clients": ("clients", "clients: stream, health, load tester, stress"),

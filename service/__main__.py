@@ -104,6 +104,13 @@ FLAGS = (
         "do not share KV blocks of common prompt prefixes (TensorRT-LLM: KV block reuse)",
         negate=True,
     ),
+    Flag(
+        "--kv-event-history",
+        "backend.kv_event_history",
+        "KV-cache event batches kept for replay to a gateway's SubscribeKvEvents (cache-aware routing); 0: no KV "
+        "events (native and trtllm backends)",
+        int,
+    ),
     Flag("--drain-timeout", "drain_timeout_s", "seconds streams in flight may take to finish after SIGTERM", float),
     Flag(
         "--stall-timeout",

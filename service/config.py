@@ -73,6 +73,9 @@ class BackendConfig:
     engine_dir: str  # engine directory (for the triton backend: the one its model repository was built from)
     backend: str = "auto"  # auto: the backend the engine directory was built for
     prefix_caching: bool = True  # share KV blocks of common prompt prefixes (TensorRT-LLM: KV block reuse)
+    # KV-cache event batches kept for a subscriber's replay (trtllm.TrtllmService SubscribeKvEvents, which a
+    # gateway's cache-aware routing reads); 0: no KV events (SubscribeKvEvents answers UNIMPLEMENTED)
+    kv_event_history: int = 4096
     max_num_seqs: int | None = None  # sequences per step; None: the engine's max_batch_size
     max_num_tokens: int | None = None  # tokens per step; None: the engine's max_num_tokens
     # at startup, check the size and sha256 of every engine file against manifest.json (the structural checks of
@@ -84,6 +87,8 @@ class BackendConfig:
     triton: TritonConfig = field(default_factory=TritonConfig)
 
     def __post_init__(self) -> None:
+        if self.kv_event_history < 0:
+            raise ValueError(f"kv_event_history must be >= 0, got {self.kv_event_history}")
         if self.backend not in ("auto", *BACKENDS):
             raise ValueError(f"backend must be auto or one of {BACKENDS}, got {self.backend!r}")
 

@@ -53,3 +53,13 @@ class StreamStalled(Exception):
 
 class ServerShutdown(Exception):
     """The drain timeout ended the request (UNAVAILABLE before any output, ABORTED after some)."""
+
+
+class OutOfRange(Exception):
+    """A cursor outside what the server holds, e.g. a KV-event sequence number its history no longer reaches
+    (OUT_OF_RANGE)."""
+
+
+class DataLoss(Exception):
+    """The server dropped what this stream still needed, e.g. a KV-event subscriber fell behind the history
+    (DATA_LOSS)."""

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hashlib
 import io
+import re
 import shutil
 import subprocess
 import threading
@@ -25,6 +26,7 @@ from smg_grpc_proto.generated import common_pb2
 
 from protos.llm.v1 import llm_pb2
 from tests.servers import ServerThread, free_port, generate, ids_and_text, make_config, running_server
+from tests.tcp_proxy import tcp_proxy
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
@@ -61,15 +63,19 @@ def _ok(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def _smg(worker_target: str, model: str, run: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    """smg launched in `run` (which holds the bundle as `run/model`) against one worker: (its URL, the process)."""
+def _smg(worker_target: str | list[str], model: str, run: Path, *args: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """smg launched in `run` (which holds the bundle as `run/model`) against the workers: (its URL, the process);
+    its Prometheus endpoint is at _metrics_url(proc)."""
     if SMG is None:
         pytest.skip("the smg binary is not installed (pip install smg==1.13.0, requirements-dev.txt)")
-    port = free_port()
-    cmd = [SMG, "launch", "--worker-urls", f"grpc://{worker_target}", "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--tokenizer-path", model]
+    targets = [worker_target] if isinstance(worker_target, str) else worker_target
+    port, prom = free_port(), free_port()
+    cmd = [SMG, "launch", "--worker-urls", *(f"grpc://{t}" for t in targets), "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom)]
+    cmd += ["--tokenizer-path", model, *args]
     with (run / "smg.log").open("wb") as log:
         proc = subprocess.Popen(cmd, cwd=run, stdout=log, stderr=subprocess.STDOUT)
+        proc.metrics_url = f"http://127.0.0.1:{prom}/metrics"  # type: ignore[attr-defined]
         try:
             yield f"http://127.0.0.1:{port}", proc
         finally:
@@ -252,3 +258,97 @@ def test_stop_string_is_stop_word_and_smg_trims_it(worker: ServerThread, gateway
         stopping=llm_pb2.StoppingParams(max_tokens=MAX_TOKENS, stop=["answer"]),
     )
     assert choice.finish_reason == "stop" and choice.text == ids_and_text(generate(worker.stub(), llm)[0])[1]
+
+
+# ---- KV events: smg's index holds our blocks and routes on them ---------------------------------------------------
+def _smg_metric(proc: subprocess.Popen, name: str, worker: str) -> float:
+    """The sum of smg's samples of `name` whose labels name `worker` (grpc://HOST:PORT)."""
+    text = urllib.request.urlopen(proc.metrics_url, timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and f'worker="grpc://{worker}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _indexed(proc: subprocess.Popen, srv: ServerThread, target: str | None = None) -> bool:
+    """smg's index holds exactly as many of the worker's blocks as its prefix cache does (and some)."""
+    live = len(srv.server.backend.kv_events.live_block_hashes())
+    return live > 0 and _smg_metric(proc, "smg_kv_index_blocks", target or srv.target) == live
+
+
+def _warm(srv: ServerThread, prompt: str) -> None:
+    """The prompt's KV into one worker's cache, behind the gateway's back (llm.v1, straight to the worker)."""
+    req = llm_pb2.GenerateRequest(
+        prompt=prompt, sampling=llm_pb2.SamplingParams(temperature=0), stopping=llm_pb2.StoppingParams(max_tokens=1)
+    )
+    generate(srv.stub(), req)
+
+
+def _complete(url: str, prompt: str) -> None:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=2, temperature=0)
+
+
+# each starts with its own words, so no two share a first block
+PREFIXES = [f"Document {i}, section {i * 7}: " + "the assistant answers carefully and briefly. " * 8 for i in range(6)]
+
+
+def test_cache_aware_routing_follows_our_kv_events(
+    worker: ServerThread, smollm2_engine_dir: Path, tmp_path: Path
+) -> None:
+    """Two workers; each prefix warmed on one of them directly, so only the KV events can tell smg where it is:
+    smg's index holds every block our caches hold, and each request on a warmed prefix goes to its holder (its
+    prefix-cache hits grow there). By chance alone 6 of 6 would come 1 time in 64."""
+    model = worker.server.backend.info.model_name
+    _bundle(worker, tmp_path / model)
+    with running_server(smollm2_engine_dir) as other:
+        workers = [worker, other]
+        with _smg([w.target for w in workers], model, tmp_path, "--policy", "cache_aware") as (url, proc):
+            _wait_routing(url, proc, tmp_path)
+            for i, prefix in enumerate(PREFIXES):
+                _warm(workers[i % 2], prefix)
+            for w in workers:
+                wait_until(lambda: _indexed(proc, w), f"smg's index holding {w.target}'s blocks")  # noqa: B023
+            assert all(_smg_metric(proc, "smg_kv_event_parentless_stores_total", w.target) == 0 for w in workers)
+            for i, prefix in enumerate(PREFIXES):
+                holder = workers[i % 2]
+                before = holder.metric("llm_prefix_cache_hit_tokens_total")
+                _complete(url, prefix + "Question: what does it say?")
+                assert holder.metric("llm_prefix_cache_hit_tokens_total") > before, (
+                    f"prefix {i} not routed to its holder"
+                )
+            assert all(w.idle() for w in workers)
+
+
+def test_a_dropped_kv_event_stream_replays_without_loss(worker: ServerThread, tmp_path: Path) -> None:
+    """The connection between smg and the worker is cut; the worker's cache changes meanwhile; smg reconnects,
+    resumes from its last sequence number, and its index again holds exactly our blocks, with no gap counted
+    and no resync."""
+    model = worker.server.backend.info.model_name
+    _bundle(worker, tmp_path / model)
+    with (
+        tcp_proxy(worker.target) as proxy,
+        _smg(proxy.target, model, tmp_path, "--policy", "cache_aware") as (url, proc),
+    ):
+        _wait_routing(url, proc, tmp_path)
+        _warm(worker, PREFIXES[0] + "one")
+        wait_until(lambda: _indexed(proc, worker, proxy.target), "smg's index holding the worker's blocks")
+        connected = _smg_metric(proc, "smg_kv_event_subscriptions_total", proxy.target)
+        cursor = worker.server.backend.kv_events.last_seq
+        proxy.partition(True)  # smg's stream is cut and cannot come back while the cache changes
+        _warm(worker, PREFIXES[1] + "two")
+        _warm(worker, PREFIXES[2] + "three")
+        wait_until(lambda: worker.server.backend.kv_events.last_seq > cursor, "batches smg has not seen")
+        proxy.partition(False)
+        wait_until(
+            lambda: _smg_metric(proc, "smg_kv_event_subscriptions_total", proxy.target) > connected,
+            "smg resubscribing",
+            within=60,
+        )
+        wait_until(lambda: _indexed(proc, worker, proxy.target), "the missed blocks in smg's index", within=60)
+        log = re.sub(r"\x1b\[[0-9;]*m", "", (tmp_path / "smg.log").read_text())  # without its colours
+        resumed = re.findall(r"KV event stream connected.* start_seq=(\d+)", log)
+        assert resumed and int(resumed[-1]) > 0, "smg should resume from its cursor, not from zero"
+        for name in ("smg_kv_event_gaps_total", "smg_kv_event_resyncs_total", "smg_kv_event_missed_batches_total"):
+            assert _smg_metric(proc, name, proxy.target) == 0, name

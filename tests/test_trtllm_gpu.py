@@ -183,3 +183,34 @@ def test_served_through_grpc(trt_engine: Path) -> None:
         assert info.backend == "trtllm" and info.num_kv_blocks > 0
         tokens, _ = _greedy(srv, GOLDEN["cases"][0]["prompt_token_ids"], 16)
         assert len(tokens) == 16
+
+
+def test_kv_events_from_the_real_event_manager(trt_engine: Path) -> None:
+    """TensorRT-LLM's own KV events through our log (service/backends/trtllm_kv_events.py): a prompt's full
+    blocks are stored with its tokens, chained, and what the log holds is what the stream says."""
+    from smg_grpc_proto import trtllm_service_pb2_grpc as pb_grpc
+    from smg_grpc_proto.generated import common_pb2
+
+    prompt = GOLDEN["cases"][0]["prompt_token_ids"] * 4
+    with running_server(trt_engine) as srv:
+        log, bs = srv.server.backend.kv_events, srv.server.backend.info.kv_block_size
+        assert log is not None
+        _greedy(srv, prompt, 2)
+        want = {tuple(prompt[i * bs : (i + 1) * bs]) for i in range(len(prompt) // bs)}
+        stub = pb_grpc.TrtllmServiceStub(srv.channel())
+        call = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=60)  # a stream: never ends
+        seen: set[tuple[int, ...]] = set()
+
+        def stored() -> bool:
+            for batch in call:
+                for e in batch.events:
+                    seen.update(tuple(b.token_ids) for b in e.stored.blocks)
+                if want <= seen:
+                    return True
+            return False
+
+        try:
+            assert stored(), "the prompt's blocks never came in TensorRT-LLM's events"
+        finally:
+            call.cancel()
+        assert len(log.live_block_hashes()) >= len(want)

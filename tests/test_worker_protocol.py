@@ -1,6 +1,7 @@
 """TensorRT-LLM's worker protocol (trtllm.TrtllmService, service/api/worker/) over real sockets on 127.0.0.1, on
 the llm.v1 server's own port: every GenerateRequest field honoured or refused by name, the same greedy tokens
-as llm.v1, Abort and cancellation freeing every KV block, readiness, model / server info, the tokenizer bundle."""
+as llm.v1, Abort and cancellation freeing every KV block, readiness, model / server info, the tokenizer bundle,
+KV-cache events (stored blocks with their tokens, resumption without loss, snapshots, cursor errors)."""
 
 from __future__ import annotations
 
@@ -55,10 +56,10 @@ def _stub(server: ServerThread) -> pb_grpc.TrtllmServiceStub:
     return pb_grpc.TrtllmServiceStub(server.channel())
 
 
-def _req(max_tokens: int = 8, streaming: bool = True, **kw) -> pb.GenerateRequest:
+def _req(max_tokens: int = 8, streaming: bool = True, prompt: list[int] = PROMPT, **kw) -> pb.GenerateRequest:
     req = pb.GenerateRequest(
         request_id=f"w{next(_ids)}",
-        tokenized=pb.TokenizedInput(input_token_ids=PROMPT),
+        tokenized=pb.TokenizedInput(input_token_ids=prompt),
         max_tokens=max_tokens,
         streaming=streaming,
         ignore_eos=True,
@@ -405,3 +406,143 @@ def test_tokenizer_bundle(server: ServerThread, engine_dir: Path) -> None:
         assert (got if isinstance(got, list) else [got]) == eos
     template = server.server.backend.tokenizer.chat_template
     assert json.loads(z.read("tokenizer_config.json")).get("chat_template") == template
+
+
+# ---- KV-cache events ---------------------------------------------------------------------------------------
+def _long(seed: int, n: int = 80) -> list[int]:
+    return [(i * 37 + seed * 101) % 200 + 3 for i in range(n)]
+
+
+class _Subscriber:
+    """A SubscribeKvEvents stream read in a thread; `stored()` replays its events into block hash -> tokens."""
+
+    def __init__(self, server: ServerThread, start: int = 0, loads_first: bool = True) -> None:
+        req = common_pb2.SubscribeKvEventsRequest(
+            start_sequence_number=start, load_records_before_first_batch=loads_first
+        )
+        self.call = _stub(server).SubscribeKvEvents(req)
+        self.batches: list[common_pb2.KvEventBatch] = []
+        self.error: grpc.RpcError | None = None
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for batch in self.call:
+                self.batches.append(batch)
+        except grpc.RpcError as err:
+            self.error = err
+
+    def events(self) -> list[common_pb2.KvEventBatch]:
+        return [b for b in list(self.batches) if b.events]
+
+    def stored(self, into: dict[int, tuple[int | None, tuple[int, ...]]] | None = None) -> dict:
+        """block hash -> (parent hash, token ids), as the events say the worker's cache stands."""
+        blocks = {} if into is None else into
+        for batch in self.events():
+            for e in batch.events:
+                kind = e.WhichOneof("data")
+                if kind == "cleared":
+                    blocks.clear()
+                elif kind == "removed":
+                    for h in e.removed.block_hashes:
+                        blocks.pop(h, None)
+                else:
+                    parent = e.stored.parent_block_hash if e.stored.HasField("parent_block_hash") else None
+                    for b in e.stored.blocks:
+                        blocks[b.block_hash] = (parent, tuple(b.token_ids))
+                        parent = b.block_hash
+        return blocks
+
+    def close(self) -> None:
+        self.call.cancel()
+        self._thread.join(10)
+
+
+def _blocks_of(prompt: list[int], bs: int) -> set[tuple[int, ...]]:
+    return {tuple(prompt[i * bs : (i + 1) * bs]) for i in range(len(prompt) // bs)}
+
+
+def _holds(sub: _Subscriber, prompt: list[int], bs: int) -> bool:
+    return _blocks_of(prompt, bs) <= {tokens for _, tokens in sub.stored().values()}
+
+
+def test_kv_events_name_each_prompts_blocks_and_carry_the_load(server: ServerThread) -> None:
+    info, log = server.server.backend.info, server.server.backend.kv_events
+    bs, prompt = info.kv_block_size, _long(1)
+    sub = _Subscriber(server)
+    try:
+        wait_until(lambda: sub.batches, "the first load record")
+        first = sub.batches[0]
+        assert first.load.load_only and first.sequence_number == 0 and not first.events  # loads before batches
+        assert first.load.max_running_requests == info.max_batch_size and first.load.max_total_num_tokens > 0
+        _run(_stub(server), _req(max_tokens=2, prompt=prompt))
+        wait_until(lambda: _holds(sub, prompt, bs), "the prompt's full blocks stored")
+        blocks = sub.stored()
+        chain = [h for h, (_, tokens) in blocks.items() if tokens in _blocks_of(prompt, bs)]
+        by_tokens = {blocks[h][1]: h for h in chain}
+        for i in range(1, len(prompt) // bs):  # each block's parent is the one before it
+            assert (
+                blocks[by_tokens[tuple(prompt[i * bs : (i + 1) * bs])]][0]
+                == by_tokens[tuple(prompt[(i - 1) * bs : i * bs])]
+            )
+        assert all(b.block_size == bs for batch in sub.events() for e in batch.events for b in e.stored.blocks)
+        seqs = [b.sequence_number for b in sub.events()]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "event batches must be numbered without gaps"
+        assert all(b.HasField("load") and not b.load.load_only for b in sub.events())
+        wait_until(lambda: set(sub.stored()) == log.live_block_hashes(), "the stream in step with the cache")
+        assert server.idle()
+    finally:
+        sub.close()
+
+
+def test_a_dropped_subscription_resumes_without_loss(server: ServerThread) -> None:
+    bs, log = server.server.backend.info.kv_block_size, server.server.backend.kv_events
+    first, later = _long(2), _long(3)
+    sub = _Subscriber(server)
+    _run(_stub(server), _req(max_tokens=2, prompt=first))
+    wait_until(lambda: _holds(sub, first, bs), "the first prompt's blocks stored")
+    wait_until(lambda: set(sub.stored()) == log.live_block_hashes(), "the first stream caught up")
+    sub.close()  # the subscriber drops; the cache goes on changing
+    cursor = sub.events()[-1].sequence_number
+    seen = sub.stored()
+    _run(_stub(server), _req(max_tokens=2, prompt=later))
+    wait_until(lambda: log.last_seq > cursor, "a batch published while nobody listened")
+    again = _Subscriber(server, start=cursor)  # as smg resumes: from the last sequence it applied
+    try:
+        wait_until(lambda: _holds(again, later, bs), "the missed batches replayed")
+        seqs = [b.sequence_number for b in again.events()]
+        assert seqs[0] == cursor and seqs == list(range(cursor, cursor + len(seqs)))  # its last one again, no gap
+        assert set(again.stored(into=seen)) == log.live_block_hashes()
+    finally:
+        again.close()
+
+
+def test_past_the_history_a_snapshot_and_cursor_errors(engine_dir: Path) -> None:
+    with running_server(engine_dir, **{"backend.kv_event_history": 2}) as srv:
+        log, bs = srv.server.backend.kv_events, srv.server.backend.info.kv_block_size
+        for seed in range(4, 8):  # more batches than the history keeps
+            before = log.last_seq
+            _run(_stub(srv), _req(max_tokens=2, prompt=_long(seed)))
+            wait_until(lambda: log.last_seq > before, "the prompt's blocks published")  # noqa: B023
+        assert not log.complete()
+        sub = _Subscriber(srv, loads_first=False)
+        try:
+            last_chunk = lambda: any(b.snapshot.count and b.snapshot.index == b.snapshot.count - 1 for b in sub.batches)  # noqa: E731
+            wait_until(last_chunk, "a whole snapshot")
+            chunks = [b for b in sub.batches if b.HasField("snapshot")]
+            assert chunks[0].events[0].WhichOneof("data") == "cleared" and chunks[-1].sequence_number == log.last_seq
+            assert set(sub.stored()) == log.live_block_hashes() and sub.stored()
+            for seed in range(4, 8):
+                assert _holds(sub, _long(seed), bs), "a live block missing from the snapshot"
+        finally:
+            sub.close()
+        for start, words in ((log.first_ever, "before the history"), (log.last_seq + 5, "restarted")):
+            old = _Subscriber(srv, start=start)
+            old._thread.join(30)
+            assert old.error is not None and old.error.code() == grpc.StatusCode.OUT_OF_RANGE, start
+            assert words in old.error.details() and "resubscribe from zero" in old.error.details()
+    with running_server(engine_dir, **{"backend.kv_event_history": 0}) as srv:
+        off = _Subscriber(srv)
+        off._thread.join(30)
+        assert off.error is not None and off.error.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -103,6 +103,10 @@ class ServiceMetrics:
             self.machine_gflops.set(ceilings.gemm_gflops)
             self.machine_gbs.set(ceilings.read_gbytes_per_s)
 
+    def generated_tokens(self) -> float:
+        """Tokens generated since the server started (the counter's value)."""
+        return self.registry.get_sample_value("llm_generation_tokens_total") or 0.0
+
     # ---- the backend's Observer (called in the backend's thread) -------------------------------------------
     def on_step(self, stats: StepStats) -> None:
         """An engine step (native backend): phase histograms, achieved rates, gauges."""

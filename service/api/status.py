@@ -10,12 +10,14 @@ from typing import Any, TypeVar
 import grpc
 
 from service.errors import (
+    DataLoss,
     DeadlineExceeded,
     EngineError,
     EngineUnavailable,
     InvalidRequest,
     MessageTooLarge,
     NotFound,
+    OutOfRange,
     Overloaded,
     ServerShutdown,
     StreamStalled,
@@ -36,6 +38,8 @@ _CODES = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     StreamStalled: grpc.StatusCode.ABORTED,
     Unsupported: grpc.StatusCode.UNIMPLEMENTED,
+    OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
+    DataLoss: grpc.StatusCode.DATA_LOSS,
 }
 
 

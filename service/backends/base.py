@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from build_engine import spec
+from service.backends.kv_events import KvEventLog
 from service.limits import RequestLimits
 from service.request import GenerateRequest, RequestOutput
 from service.telemetry import BackendStats, Observer
@@ -76,6 +77,7 @@ class Backend(Protocol):
 
     info: BackendInfo
     tokenizer: Tokenizer  # the engine's tokenizer: prompts are tokenized, and outputs detokenized, by us
+    kv_events: KvEventLog | None  # the prefix cache's KV events (SubscribeKvEvents); None: not published
 
     def start(self, on_health_change: Callable[[bool], None], on_fatal: Callable[[str], None]) -> None:
         """Start serving (called in the event loop, after the slow load happened in a worker thread)."""

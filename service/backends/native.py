@@ -19,6 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from service.backends.base import BackendInfo
+from service.backends.kv_events import KvEventLog
 from service.backends.runtime import BackendRuntime
 from service.config import AdmissionConfig, BackendConfig
 from service.engine.core import EngineCore
@@ -30,9 +31,11 @@ logger = logging.getLogger(__name__)
 
 
 class NativeBackend(BackendRuntime):
-    def __init__(self, core: EngineCore, admission: AdmissionConfig | None = None) -> None:
+    def __init__(self, core: EngineCore, admission: AdmissionConfig | None = None, kv_event_history: int = 0) -> None:
         super().__init__(admission)
         self.core = core
+        if core.kv_events and kv_event_history:
+            self.kv_events = KvEventLog(kv_event_history, core.sched_cfg.block_size)
         self.tokenizer = core.tokenizer
         self.info = _info(core, self.admission.max_queue)
         self._observer: Observer | None = None
@@ -53,8 +56,9 @@ class NativeBackend(BackendRuntime):
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_tokens,
             long_prefill_token_threshold=cfg.native.long_prefill_token_threshold,
+            kv_events=cfg.kv_event_history > 0,
         )
-        return cls(core, cfg.admission)
+        return cls(core, cfg.admission, cfg.kv_event_history)
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     def start(
@@ -129,6 +133,7 @@ class NativeBackend(BackendRuntime):
             outputs = self._apply_commands()
             if not core.has_unfinished_requests():
                 self.deliver(outputs)
+                self._publish_kv_events()
                 if outputs:
                     self._report_gauges()
                 if self.stopping:
@@ -148,7 +153,13 @@ class NativeBackend(BackendRuntime):
             finally:
                 self.busy(False)
             self.deliver(outputs, core.last_newly_scheduled)
+            self._publish_kv_events()
             self._report(outputs, failed)
+
+    def _publish_kv_events(self) -> None:
+        """The prefix cache's changes since the last call, as one batch (after the step that made them)."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.core.take_kv_events())
 
     def _report(self, outputs: list[RequestOutput], failed: bool) -> None:
         if self._observer is None:

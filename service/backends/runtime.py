@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
+from service.backends.kv_events import KvEventLog
 from service.backends.streams import RequestStreams
 from service.config import AdmissionConfig
 from service.errors import EngineUnavailable, QueueFull
@@ -44,6 +45,7 @@ class BackendRuntime:
         self._busy_since: float | None = None  # set while the backend thread is inside a call that may hang
         self._stalled = False
         self._watchdog: threading.Thread | None = None
+        self.kv_events: KvEventLog | None = None  # the prefix cache's KV events, where the backend publishes them
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     def bind(

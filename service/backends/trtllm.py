@@ -36,7 +36,9 @@ from typing import Any
 
 from build_engine import spec
 from build_engine.spec import EngineFormatError, load_engine_config, load_trtllm_build_config
+from service.backends import trtllm_kv_events as kv_events
 from service.backends.base import BackendInfo
+from service.backends.kv_events import KvEventLog
 from service.backends.remote import EndIds, RemoteRequest, sampling_values
 from service.backends.runtime import BackendRuntime
 from service.backends.trtllm_rules import (
@@ -59,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 RESPONSE_WAIT = datetime.timedelta(milliseconds=50)  # await_responses returns at once when responses are ready
 STATS_PERIOD_S = 0.1  # iteration stats -> gauges (Triton's stats_check_period_ms is 100)
+KV_EVENT_PERIOD_S = 0.05  # the KV event manager is polled this often (without waiting: the executor lock is held)
+KV_EVENT_BUFFER_MIN = 4096  # KvCacheConfig.event_buffer_max_size at least (events per poll period, with room)
 POLICIES = {"guaranteed_no_evict": "GUARANTEED_NO_EVICT", "max_utilization": "MAX_UTILIZATION"}
 WORKER_ENV = "TRTLLM_EXECUTOR_WORKER"  # orchestrator mode: path of TensorRT-LLM's executorWorker binary
 
@@ -130,6 +134,8 @@ class TrtllmBackend(BackendRuntime):
         self._threads: list[threading.Thread] = []
         self._generation = 0  # executors created so far: stream ids are "<generation>:<executor id>"
         self.executor = self._new_executor()
+        if self._kv_event_buffer():
+            self.kv_events = KvEventLog(cfg.kv_event_history, self.config.limits.kv_block_size)
 
     # ---- loading ---------------------------------------------------------------------------------------------
     def _new_executor(self) -> Any:
@@ -137,6 +143,7 @@ class TrtllmBackend(BackendRuntime):
         kv = trt.KvCacheConfig(
             enable_block_reuse=cfg.prefix_caching,
             free_gpu_memory_fraction=cfg.trtllm.kv_cache_free_gpu_memory_fraction,
+            event_buffer_max_size=self._kv_event_buffer(),
         )
         policy = getattr(trt.CapacitySchedulerPolicy, POLICIES[cfg.trtllm.scheduler_policy])
         kw: dict[str, Any] = {
@@ -158,6 +165,13 @@ class TrtllmBackend(BackendRuntime):
             return trt.Executor(str(self.engine_dir), trt.ModelType.DECODER_ONLY, trt.ExecutorConfig(**kw))
         except RuntimeError as exc:  # TensorRT-LLM reports engine/GPU mismatches this way
             raise BackendLoadError(f"TensorRT-LLM could not load {self.engine_dir}: {exc}") from None
+
+    def _kv_event_buffer(self) -> int:
+        """KV events TensorRT-LLM keeps between our polls (0: it records none); when more come within one poll
+        period it drops the oldest, so the buffer is never small even with a short history."""
+        if not (self.cfg.kv_event_history and self.cfg.prefix_caching):
+            return 0
+        return max(self.cfg.kv_event_history, KV_EVENT_BUFFER_MIN)
 
     def _orchestrator(self, world: int) -> Any:
         """Multi-GPU engines: one orchestrator process spawning TensorRT-LLM's worker per rank (MPI)."""
@@ -207,6 +221,8 @@ class TrtllmBackend(BackendRuntime):
             threading.Thread(target=self._respond, name="trtllm-responses", daemon=True),
             threading.Thread(target=self._poll_stats, name="trtllm-stats", daemon=True),
         ]
+        if self.kv_events is not None:
+            self._threads.append(threading.Thread(target=self._poll_kv_events, name="trtllm-kv-events", daemon=True))
         for t in self._threads:
             t.start()
         self.start_runtime()
@@ -417,6 +433,23 @@ class TrtllmBackend(BackendRuntime):
         while not self.stopping and self.is_alive:
             time.sleep(STATS_PERIOD_S)
             self._poll_once()
+
+    def _poll_kv_events(self) -> None:
+        """The executor's KV events -> the log (service/backends/trtllm_kv_events.py). A new executor (after a
+        recovery) starts with a Created event: the log then says the cache was cleared."""
+        assert self.kv_events is not None
+        while not self.stopping and self.is_alive:
+            time.sleep(KV_EVENT_PERIOD_S)
+            with self._lock:  # NOTE: see _drop_executor
+                try:
+                    manager = self.executor.get_kv_cache_event_manager()
+                    events = manager.get_latest_events(0) if manager is not None else []
+                except Exception:  # the response thread handles a dead executor (None: being replaced)
+                    continue
+            try:
+                self.kv_events.publish(kv_events.convert(events, self.config.limits.kv_block_size))
+            except ValueError:  # an event kind 1.2 does not have: the router's index may now be stale
+                logger.exception("unreadable KV cache events from the executor")
 
     def _poll_once(self) -> None:
         with self._lock:  # NOTE: see _drop_executor

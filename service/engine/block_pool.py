@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from service.kv_events import AllBlocksCleared, KvEvent, add_removal, event_hash
+
 
 class KVBlock:
     __slots__ = ("block_hash", "block_id", "ref_cnt")
@@ -45,9 +47,13 @@ class FreeBlockQueue:
 
 class BlockPool:
     """Owns every KV block. A block is free when its ref_cnt is 0; a free block may still hold cached KV
-    (its hash stays in the map) until it is evicted to serve a new allocation."""
+    (its hash stays in the map) until it is evicted to serve a new allocation.
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    With `record_events`, every change to the map is also recorded as a KV event (kv_events.py) for whoever
+    takes them (take_events): the removals here, the stores by the KVCacheManager, which knows the tokens.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -56,6 +62,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}  # block hash -> block holding that prefix's KV
         self.num_evictions = 0
+        self.events: list[KvEvent] | None = [] if record_events and enable_caching else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,6 +93,8 @@ class BlockPool:
         """Forget the block's cached content (its hash) without freeing it."""
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                add_removal(self.events, event_hash(block.block_hash))
         block.block_hash = None
 
     def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
@@ -98,12 +107,13 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
-        """Record that `block` holds the KV of the full block whose chained hash is `block_hash`."""
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Record that `block` holds the KV of the full block whose chained hash is `block_hash`; True when the
+        cache did not hold that hash before (a block to announce)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         block.block_hash = block_hash
-        self.cached.setdefault(block_hash, block)  # the first holder stays canonical
+        return self.cached.setdefault(block_hash, block) is block  # the first holder stays canonical
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in the given order; blocks reaching 0 join the free queue's
@@ -120,5 +130,14 @@ class BlockPool:
             return False
         for block in self.blocks:
             block.block_hash = None
+        if self.cached and self.events is not None:
+            self.events.append(AllBlocksCleared())
         self.cached.clear()
         return True
+
+    def take_events(self) -> list[KvEvent]:
+        """The KV events recorded since the last call (none unless record_events)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events

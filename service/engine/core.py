@@ -23,6 +23,7 @@ from service.engine.sampler import Sampler
 from service.engine.scheduler import Scheduler
 from service.engine.scheduler_config import SchedulerConfig, kv_blocks_for_budget
 from service.engine.stats import StepCost
+from service.kv_events import AllBlocksCleared, KvEvent
 from service.limits import RequestLimits, check_request
 from service.request import GenerateRequest, Request, RequestOutput, RequestStatus
 from service.telemetry import BackendStats, StepStats
@@ -48,9 +49,11 @@ class EngineCore:
         max_num_batched_tokens: int | None = None,
         long_prefill_token_threshold: int | None = None,
         sampler_seed: int | None = None,
+        kv_events: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine_dir = Path(engine_dir)
+        self.kv_events = kv_events and enable_prefix_caching  # record the prefix cache's KV events (take_kv_events)
         self.config: EngineConfig = load_engine_config(engine_dir)
         self.tokenizer = Tokenizer.from_engine_dir(engine_dir)
         bytes_per_block = NumpyRunner.kv_bytes_per_block(self.config)
@@ -78,10 +81,18 @@ class EngineCore:
     def reset(self) -> None:
         """A fresh KV pool, scheduler and output state (at start, and after a failed step: the weights stay).
 
-        The runner's KV arrays are not cleared: a block is always written before any attention reads it.
+        The runner's KV arrays are not cleared: a block is always written before any attention reads it. KV events
+        the old pool recorded and nobody took yet are kept, followed by a clear (its cache is gone).
         """
         sc = self.sched_cfg
-        self.kv = KVCacheManager(BlockPool(sc.num_kv_blocks, sc.enable_prefix_caching), sc.block_size)
+        old = getattr(self, "kv", None)
+        pending = []
+        if old is not None and self.kv_events:
+            pending = old.pool.take_events() + ([AllBlocksCleared()] if old.pool.cached else [])
+        pool = BlockPool(sc.num_kv_blocks, sc.enable_prefix_caching, record_events=self.kv_events)
+        if pool.events is not None:
+            pool.events += pending
+        self.kv = KVCacheManager(pool, sc.block_size)
         self.scheduler = Scheduler(sc, self.kv, self.clock)
         self.outputs = OutputProcessor(self.tokenizer)
         self.last_step = None
@@ -122,6 +133,10 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The prefix cache's KV events since the last call (empty unless built with kv_events=True)."""
+        return self.kv.pool.take_events()
 
     def stats(self) -> BackendStats:
         sched = self.scheduler

@@ -7,6 +7,7 @@ import struct
 from collections.abc import Sequence
 
 from service.engine.block_pool import BlockPool, KVBlock
+from service.kv_events import BlockStored, event_hash
 from service.request import Request
 
 
@@ -23,6 +24,12 @@ def salt_root(cache_salt: str) -> bytes | None:
     if not cache_salt:
         return None
     return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"cache_salt").digest()
+
+
+def salt_tag(cache_salt: str) -> str:
+    """What KV events say about a salt: an opaque tag of its root hash (never the salt itself); "" unsalted."""
+    root = salt_root(cache_salt)
+    return root.hex()[:16] if root is not None else ""
 
 
 class KVCacheManager:
@@ -90,8 +97,29 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return
         hashes = self._hashes(req, min(num_tokens, req.num_tokens))
-        for block, block_hash in zip(blocks, hashes, strict=False):
-            self.pool.cache_block(block, block_hash)
+        run: list[int] = []  # consecutive indices of blocks the cache did not hold before
+        for i, (block, block_hash) in enumerate(zip(blocks, hashes, strict=False)):
+            if self.pool.cache_block(block, block_hash) and self.pool.events is not None:
+                if run and run[-1] != i - 1:
+                    self._announce(req, hashes, run)
+                    run = []
+                run.append(i)
+        if run:
+            self._announce(req, hashes, run)
+
+    def _announce(self, req: Request, hashes: list[bytes], run: list[int]) -> None:
+        """One BlockStored event for a run of newly cached blocks of `req` (their parent: the block before)."""
+        first, bs = run[0], self.block_size
+        assert self.pool.events is not None
+        self.pool.events.append(
+            BlockStored(
+                block_hashes=tuple(event_hash(hashes[i]) for i in run),
+                parent_hash=event_hash(hashes[first - 1]) if first else None,
+                token_ids=tuple(req.all_token_ids[first * bs : (run[-1] + 1) * bs]),
+                block_size=bs,
+                cache_salt=salt_tag(req.cache_salt),
+            )
+        )
 
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, ())]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from tests.trtllm_double.build import EngineDouble, LLaMAForCausalLMDouble, MappingDouble, build_double
 from tests.trtllm_double.executor import ExecutorDouble, RequestDouble, ResponseDouble
+from tests.trtllm_double.kv_events import EVENT_TYPES, KVCacheEventManagerDouble
 from tests.trtllm_double.surface import (
     RECORDER,
     SURFACE,
@@ -37,6 +38,7 @@ BEHAVIOUR = {  # JSON classes whose behaviour the double implements
     "tensorrt_llm.bindings.executor.Executor": ExecutorDouble,
     "tensorrt_llm.bindings.executor.Request": RequestDouble,
     "tensorrt_llm.bindings.executor.Response": ResponseDouble,
+    "tensorrt_llm.bindings.executor.kv_cache.KVCacheEventManager": KVCacheEventManagerDouble,
     "tensorrt_llm.models.LLaMAForCausalLM": LLaMAForCausalLMDouble,
     "tensorrt_llm.builder.Engine": EngineDouble,
 }
@@ -117,6 +119,8 @@ def installed() -> Iterator[Double]:
     modules["tensorrt_llm.mapping"].Mapping = root.Mapping
     modules["tensorrt_llm.builder"].BuildConfig = root.BuildConfig
     modules["tensorrt_llm.builder"].build = root.build
+    for name, cls in EVENT_TYPES.items():  # the event classes the JSON lacks (tests/trtllm_double/kv_events.py)
+        setattr(modules["tensorrt_llm.bindings.executor.kv_cache"], name, cls)
     torch = types.ModuleType("torch")
     torch.cuda = types.SimpleNamespace(is_available=lambda: True)
     sys.modules.update(modules)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import sys
 import threading
 import time
 from collections import deque
@@ -60,7 +61,13 @@ class ExecutorDouble(SurfaceObject):
             enable_prefix_caching=cfg.kv_cache_config.enable_block_reuse,
             max_num_seqs=cfg.max_batch_size,
             max_num_batched_tokens=cfg.max_num_tokens,
+            kv_events=bool(cfg.kv_cache_config.event_buffer_max_size),
         ))  # fmt: skip
+        manager = None
+        if self.core.kv_events:  # TensorRT-LLM records events only with event_buffer_max_size > 0
+            kv_cache = sys.modules["tensorrt_llm.bindings.executor.kv_cache"]
+            manager = kv_cache.KVCacheEventManager.create(cfg.kv_cache_config.event_buffer_max_size, KV_BLOCKS)
+        object.__setattr__(self, "_kv_events", manager)
         state = {"lock": threading.Condition(), "responses": deque(), "stats": deque(maxlen=1000), "ids": 0,
                  "adds": [], "cancels": set(), "live": {}, "stop": False, "crashed": False, "fail_next": None}  # fmt: skip
         object.__setattr__(self, "_s", state)
@@ -110,6 +117,11 @@ class ExecutorDouble(SurfaceObject):
             out = list(self._s["stats"])
             self._s["stats"].clear()
         return out
+
+    def get_kv_cache_event_manager(self) -> Any:
+        """The KV event manager (None without KvCacheConfig.event_buffer_max_size, as the real one's optional)."""
+        RECORDER.call("tensorrt_llm.bindings.executor.Executor.get_kv_cache_event_manager", ())
+        return self._kv_events
 
     def can_enqueue_requests(self) -> bool:
         return not self._s["stop"]
@@ -189,6 +201,8 @@ class ExecutorDouble(SurfaceObject):
                     if not s["adds"] and not s["cancels"] and not s["stop"]:
                         s["lock"].wait(0.01)
             responses = [self._response(out) for out in outputs]
+            if self._kv_events is not None:
+                self._kv_events.publish(core.take_kv_events())
             with s["lock"]:
                 s["responses"].extend(r for r in responses if r is not None)
                 s["stats"].append(self._iteration_stats())

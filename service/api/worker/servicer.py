@@ -25,7 +25,7 @@ from service.api import interceptors
 from service.api.edge import Edge
 from service.api.metrics import ServiceMetrics
 from service.api.status import unary_errors
-from service.api.worker import bundle, convert
+from service.api.worker import bundle, convert, kv_stream
 from service.backends.base import Backend
 from service.errors import DeadlineExceeded, EngineUnavailable, InvalidRequest, ServerShutdown, Unsupported
 from service.request import RequestOutput, TokenLogprob
@@ -204,10 +204,23 @@ class TrtllmServicer:
     async def SubscribeKvEvents(
         self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """The prefix cache's KV events and the engine's load (kv_stream.py); UNIMPLEMENTED where the backend
+        publishes none (the triton backend, --kv-event-history 0, no prefix caching), so a gateway stops asking.
+        Holds no RPC slot: a gateway keeps one open per worker for the worker's life."""
         async with self.edge.outcome(context, lambda call: None):
-            self._serving()
-            raise Unsupported("SubscribeKvEvents is not supported yet: route without KV events")
-            yield  # an async generator, as the streaming handler must be
+            backend = self._serving()
+            req = self.edge.parse(common_pb2.SubscribeKvEventsRequest, raw)
+            log = backend.kv_events
+            if log is None:
+                why = "prefix caching is off" if not backend.info.prefix_caching else "they are off or not available"
+                raise Unsupported(f"this worker publishes no KV events ({why}): route without them")
+            kv_stream.check_cursor(log, req)  # OUT_OF_RANGE as the call's status, before any reply
+            await context.send_initial_metadata(())  # the subscriber's call completes now, not at the first batch
+            loads = kv_stream.LoadRecords(backend, self.metrics.generated_tokens)
+            stream = kv_stream.subscribe(log, req, loads, lambda: self.edge.draining)
+            async with contextlib.aclosing(stream) as batches:
+                async for batch in batches:
+                    yield batch
 
 
 def supported_features(backend: Backend) -> list[str]:
@@ -216,6 +229,8 @@ def supported_features(backend: Backend) -> list[str]:
     features += ["cache_salt", "perf_metrics", "tokenizer_bundle", "abort"]
     if backend.info.prefix_caching:
         features.append("prefix_caching")
+    if backend.kv_events is not None:
+        features.append("kv_events")
     return features
 
 
