@@ -252,3 +252,36 @@ def test_cli_refuses_without_a_reachable_triton_server(engine_dir: Path) -> None
         check=False,
     )
     assert down.returncode == 2 and f"the Triton server at 127.0.0.1:{port} is not ready" in down.stderr
+
+
+def test_the_worker_door_on_b(a: ServerThread, b: ServerThread) -> None:
+    """trtllm.TrtllmService on a triton-backed server: Generate gives A's greedy ids over the tensorrt_llm model;
+    over the ensemble (text only, and the worker protocol streams ids) every RPC, HealthCheck too, is
+    UNIMPLEMENTED, so a gateway never registers it. No KV events either way."""
+    from smg_grpc_proto import trtllm_service_pb2 as pb
+    from smg_grpc_proto import trtllm_service_pb2_grpc as pb_grpc
+    from smg_grpc_proto.generated import common_pb2
+
+    prompt = list(a.stub().Tokenize(llm_pb2.TokenizeRequest(text="Hello there")).token_ids)
+    req = pb.GenerateRequest(
+        request_id="b-worker", tokenized=pb.TokenizedInput(input_token_ids=prompt), max_tokens=12, ignore_eos=True
+    )
+    req.sampling_config.temperature = 0
+    stub = pb_grpc.TrtllmServiceStub(b.channel())
+    if b.server.backend.model == "tensorrt_llm":
+        *_, last = stub.Generate(req)
+        greedy = llm_pb2.SamplingParams(temperature=0)
+        stopping = llm_pb2.StoppingParams(max_tokens=12, ignore_eos=True)
+        chunks, _ = _gen(a, prompt_token_ids=llm_pb2.TokenIds(ids=prompt), sampling=greedy, stopping=stopping)
+        ids = [t for c in chunks for t in c.token_ids]
+        assert list(last.complete.output_token_ids) == ids and len(ids) == 12
+        assert stub.GetServerInfo(pb.GetServerInfoRequest()).backend == "triton"
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()))
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    else:
+        for call in (lambda: list(stub.Generate(req)), lambda: stub.HealthCheck(pb.HealthCheckRequest())):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "tensorrt_llm" in err.value.details()
+    assert a.idle() and b.idle()

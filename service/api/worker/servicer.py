@@ -4,7 +4,8 @@ it), so a gateway that drives TensorRT-LLM workers (the Shepherd Model Gateway, 
 Conversion and streaming only: the field mappings are convert.py's, everything shared (slots, drain, parsing,
 the stall watch, the final status) the edge's. Handlers receive raw request bytes (see server.py), so a
 malformed message is INVALID_ARGUMENT naming the field. Until the backend has warmed up, and while draining,
-every RPC of this service, HealthCheck included, answers UNAVAILABLE.
+every RPC of this service, HealthCheck included, answers UNAVAILABLE; on a backend that streams text without
+token ids (the triton backend over an ensemble), UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrtllmService"].full_name
 PACKAGE = "llm-grpc-serving"
+TEXT_ONLY = "chunk.token_ids"  # BackendInfo.not_reported of a backend that streams no token ids
 
 
 class _Reply:
@@ -85,6 +87,11 @@ class TrtllmServicer:
 
     def _serving(self) -> Backend:
         backend = self.edge.ready()  # UNAVAILABLE while loading, warming up or draining
+        if TEXT_ONLY in backend.info.not_reported:  # every RPC, HealthCheck too: a gateway must not register it
+            raise Unsupported(
+                "this server's backend returns text, not token ids (a Triton ensemble), and the worker protocol "
+                "streams ids: serve Triton's tensorrt_llm model (--triton-model tensorrt_llm) to use it"
+            )
         if not backend.is_healthy:
             raise EngineUnavailable("the engine is not healthy")
         return backend
