@@ -472,9 +472,8 @@ def test_kv_events_name_each_prompts_blocks_and_carry_the_load(server: ServerThr
     bs, prompt = info.kv_block_size, _long(1)
     sub = _Subscriber(server)
     try:
-        wait_until(lambda: sub.batches, "the first load record")
-        first = sub.batches[0]
-        assert first.load.load_only and first.sequence_number == 0 and not first.events  # loads before batches
+        wait_until(lambda: sub.batches, "the first message")
+        first = sub.batches[0]  # a load record, or the first batch replayed: it carries the load either way
         assert first.load.max_running_requests == info.max_batch_size and first.load.max_total_num_tokens > 0
         _run(_stub(server), _req(max_tokens=2, prompt=prompt))
         wait_until(lambda: _holds(sub, prompt, bs), "the prompt's full blocks stored")
@@ -521,6 +520,12 @@ def test_a_dropped_subscription_resumes_without_loss(server: ServerThread) -> No
 def test_past_the_history_a_snapshot_and_cursor_errors(engine_dir: Path) -> None:
     with running_server(engine_dir, **{"backend.kv_event_history": 2}) as srv:
         log, bs = srv.server.backend.kv_events, srv.server.backend.info.kv_block_size
+        assert log.last_seq < log.first_ever  # nothing published yet (the warm-up fills no block)
+        early = _Subscriber(srv)  # asks for load records before the first batch
+        wait_until(lambda: early.batches, "the first load record")
+        assert early.batches[0].load.load_only and early.batches[0].sequence_number == 0
+        assert not early.batches[0].events and early.batches[0].load.max_total_num_tokens > 0
+        early.close()
         for seed in range(4, 8):  # more batches than the history keeps
             before = log.last_seq
             _run(_stub(srv), _req(max_tokens=2, prompt=_long(seed)))
