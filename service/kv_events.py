@@ -7,6 +7,7 @@ before them, and the cache salt), so a router can follow parent -> child without
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -20,6 +21,13 @@ class BlockStored:
     token_ids: tuple[int, ...]  # [len(block_hashes) * block_size], in block order
     block_size: int
     cache_salt: str = ""  # an opaque tag of the salt the hashes were computed under; "" unsalted
+
+    def blocks(self) -> Iterator[tuple[int, int | None, tuple[int, ...]]]:
+        """Each block as (its hash, its parent's hash, its block_size token ids), in chain order."""
+        bs, parent = self.block_size, self.parent_hash
+        for i, block_hash in enumerate(self.block_hashes):
+            yield block_hash, parent, self.token_ids[i * bs : (i + 1) * bs]
+            parent = block_hash
 
 
 @dataclass(frozen=True, slots=True)

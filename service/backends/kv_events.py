@@ -77,11 +77,8 @@ class KvEventLog:
 
     def _apply(self, event: KvEvent) -> None:
         if isinstance(event, BlockStored):
-            bs = event.block_size
-            parents = (event.parent_hash, *event.block_hashes[:-1])
-            for i, (block_hash, parent) in enumerate(zip(event.block_hashes, parents, strict=True)):
-                self._live.pop(block_hash, None)
-                tokens = event.token_ids[i * bs : (i + 1) * bs]
+            for block_hash, parent, tokens in event.blocks():
+                self._live.pop(block_hash, None)  # a store again moves it last (after its parent)
                 self._live[block_hash] = LiveBlock(block_hash, parent, tokens, event.cache_salt)
         elif isinstance(event, BlockRemoved):
             for block_hash in event.block_hashes:

@@ -91,16 +91,15 @@ class KVCacheEventManagerDouble(SurfaceObject):
 def _data(e: KvEvent) -> Any:
     t = EVENT_TYPES
     if isinstance(e, BlockStored):
-        bs = e.block_size
         blocks = [
             t["KVCacheStoredBlockData"](
                 block_hash=h % U64,
-                tokens=[t["UniqueToken"](token_id=x, token_extra_id=0) for x in e.token_ids[i * bs : (i + 1) * bs]],
+                tokens=[t["UniqueToken"](token_id=x, token_extra_id=0) for x in tokens],
                 lora_id=None,
                 cache_level=0,
                 priority=35,
             )
-            for i, h in enumerate(e.block_hashes)
+            for h, _, tokens in e.blocks()
         ]
         parent = None if e.parent_hash is None else e.parent_hash % U64
         return t["KVCacheStoredData"](parent_hash=parent, blocks=blocks)

@@ -45,11 +45,7 @@ def event_proto(event: KvEvent, event_id: int) -> cpb.KvCacheEvent:
 
 
 def _stored(e: BlockStored) -> cpb.KvBlocksStored:
-    bs = e.block_size
-    blocks = [
-        cpb.KvBlock(block_hash=h, token_ids=e.token_ids[i * bs : (i + 1) * bs], block_size=bs)
-        for i, h in enumerate(e.block_hashes)
-    ]
+    blocks = [cpb.KvBlock(block_hash=h, token_ids=tokens, block_size=e.block_size) for h, _, tokens in e.blocks()]
     stored = cpb.KvBlocksStored(blocks=blocks, tier=cpb.KV_CACHE_TIER_DEVICE, locality=cpb.KV_CACHE_LOCALITY_LOCAL)
     if e.parent_hash is not None:
         stored.parent_block_hash = e.parent_hash
@@ -131,9 +127,9 @@ def check_cursor(log: KvEventLog, req: cpb.SubscribeKvEventsRequest) -> None:
 async def subscribe(
     log: KvEventLog, req: cpb.SubscribeKvEventsRequest, loads: LoadRecords, draining: Callable[[], bool]
 ) -> AsyncIterator[cpb.KvEventBatch]:
-    """The stream of one subscription (raises OutOfRange or DataLoss as the module docstring says)."""
+    """The stream of one subscription whose cursor check_cursor() accepted (raises DataLoss as the module
+    docstring says)."""
     start = req.start_sequence_number
-    sent = 0  # the last sequence number this stream sent
     if start == 0 and not log.complete():
         seq, blocks = log.snapshot()
         chunks = snapshot_chunks(seq, blocks, log.block_size)
@@ -145,8 +141,7 @@ async def subscribe(
         sent = seq
     else:
         cursor = (start or log.first_ever) - 1  # the batch before the first one to send
-        check_cursor(log, req)
-        sent = start  # a resuming subscriber has its cursor (0: none)
+        sent = start  # the last sequence number this stream sent: a resuming subscriber has its cursor (0: none)
     full = True  # the stream's first record carries the whole telemetry
     last_key, last_record = None, -HEARTBEAT_S
     while not draining():
@@ -161,12 +156,12 @@ async def subscribe(
         if batches:
             last_key, last_record = loads.key(), now
             continue
-        heartbeat = now - last_record >= HEARTBEAT_S
-        if (sent or req.load_records_before_first_batch) and (heartbeat or loads.key() != last_key):
+        heartbeat, key = now - last_record >= HEARTBEAT_S, loads.key()
+        if (sent or req.load_records_before_first_batch) and (heartbeat or key != last_key):
             record = loads.record(full or heartbeat)
             record.load_only = True
             full = False
-            last_key, last_record = loads.key(), now
+            last_key, last_record = key, now
             yield cpb.KvEventBatch(sequence_number=sent, timestamp=time.time(), load=record)
         await log.wait(cursor, LOAD_POLL_S)
     raise EngineUnavailable("the server is shutting down: resubscribe to another worker")
