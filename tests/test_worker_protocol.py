@@ -551,3 +551,22 @@ def test_past_the_history_a_snapshot_and_cursor_errors(engine_dir: Path) -> None
         off = _Subscriber(srv)
         off._thread.join(30)
         assert off.error is not None and off.error.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_subscriptions_hold_rpc_slots_and_end_on_drain(engine_dir: Path) -> None:
+    """A client opening subscriptions without end is bounded like any other stream: past its connection's share
+    RESOURCE_EXHAUSTED; a cancelled one gives its slot back; a drain ends the rest (UNAVAILABLE), promptly."""
+    with running_server(engine_dir, max_concurrent_rpcs=4) as srv:
+        subs = [_Subscriber(srv) for _ in range(2)]  # one connection: its share is 2
+        wait_until(lambda: all(s.batches for s in subs), "two subscriptions streaming")
+        extra = _Subscriber(srv)
+        extra._thread.join(30)
+        assert extra.error is not None and extra.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert srv.server.edge.num_active == 2
+        subs[0].close()
+        wait_until(lambda: srv.server.edge.num_active == 1, "the cancelled subscription's slot back")
+        srv.run(srv.server.drain_and_stop(10))
+        subs[1]._thread.join(30)
+        assert subs[1].error is not None and subs[1].error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "resubscribe to another worker" in subs[1].error.details()  # its own end, not the drain timeout's cut
+        assert srv.server.edge.num_active == 0

@@ -213,21 +213,25 @@ class TrtllmServicer:
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
         """The prefix cache's KV events and the engine's load (kv_stream.py); UNIMPLEMENTED where the backend
         publishes none (the triton backend, --kv-event-history 0, no prefix caching), so a gateway stops asking.
-        Holds no RPC slot: a gateway keeps one open per worker for the worker's life."""
+        Holds an RPC slot for its life (a gateway keeps one open per worker), so subscriptions count against
+        --max-concurrent-rpcs and the per-connection share like any other stream; it ends when draining starts."""
         async with self.edge.outcome(context, lambda call: None):
             backend = self._serving()
-            req = self.edge.parse(common_pb2.SubscribeKvEventsRequest, raw)
-            log = backend.kv_events
-            if log is None:
-                why = "prefix caching is off" if not backend.info.prefix_caching else "they are off or not available"
-                raise Unsupported(f"this worker publishes no KV events ({why}): route without them")
-            kv_stream.check_cursor(log, req)  # OUT_OF_RANGE as the call's status, before any reply
-            await context.send_initial_metadata(())  # the subscriber's call completes now, not at the first batch
-            loads = kv_stream.LoadRecords(backend, self.metrics.generated_tokens)
-            stream = kv_stream.subscribe(log, req, loads, lambda: self.edge.draining)
-            async with contextlib.aclosing(stream) as batches:
-                async for batch in batches:
-                    yield batch
+            with self.edge.slot(context.peer()):  # RESOURCE_EXHAUSTED past the limits
+                req = self.edge.parse(common_pb2.SubscribeKvEventsRequest, raw)
+                log = backend.kv_events
+                if log is None:
+                    off = (
+                        "prefix caching is off" if not backend.info.prefix_caching else "they are off or not available"
+                    )
+                    raise Unsupported(f"this worker publishes no KV events ({off}): route without them")
+                kv_stream.check_cursor(log, req)  # OUT_OF_RANGE as the call's status, before any reply
+                await context.send_initial_metadata(())  # the call completes now, not at the first batch
+                loads = kv_stream.LoadRecords(backend, self.metrics.generated_tokens)
+                stream = kv_stream.subscribe(log, req, loads, lambda: self.edge.draining)
+                async with contextlib.aclosing(stream) as batches:
+                    async for batch in batches:
+                        yield batch
 
 
 def supported_features(backend: Backend) -> list[str]:
