@@ -21,13 +21,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def add_connection_args(p: argparse.ArgumentParser) -> None:
+def add_connection_args(p: argparse.ArgumentParser, auth_help: str = "file holding the bearer token") -> None:
     p.add_argument("--target", default="127.0.0.1:50051", help="server address host:port")
     p.add_argument("--tls-ca", help="CA certificate (PEM) to verify the server; enables TLS")
     p.add_argument("--tls-cert", help="client certificate (PEM), for mutual TLS")
     p.add_argument("--tls-key", help="client private key (PEM), for mutual TLS")
     p.add_argument("--tls-server-name", help="expected server name in its certificate (default: the target host)")
-    p.add_argument("--auth-token-file", help="file holding the bearer token")
+    p.add_argument("--auth-token-file", help=auth_help)
 
 
 def _options(args: argparse.Namespace) -> list[tuple[str, object]]:

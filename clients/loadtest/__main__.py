@@ -1,7 +1,8 @@
 """Load-test client: python -m clients.loadtest --target HOST:PORT --concurrency 1,4,16,64 ...
 
 Closed-loop concurrency sweeps or open-loop request-rate sweeps (Poisson or gamma arrivals) against the llm.v1
-service, a Triton server running the TensorRT-LLM ensemble, or llama.cpp's llama-server. Reports TTFT, TPOT, ITL and E2E percentiles,
+service, a Triton server running the TensorRT-LLM ensemble, llama.cpp's llama-server, or any OpenAI-compatible HTTP
+server (smg in front of this service, vLLM, ...). Reports TTFT, TPOT, ITL and E2E percentiles,
 throughputs and goodput per sweep point (metric definitions and the results format: docs/loadtest.md).
 """
 
@@ -19,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from clients.common import HelpFormatter, add_connection_args, call_metadata, open_aio_channel, open_channel
-from clients.loadtest import llama_server, report
+from clients.loadtest import http, llama_server, openai_http, report
 from clients.loadtest.backends import Backend, LLMBackend, Sampling, TritonBackend
 from clients.loadtest.driver import closed_loop, open_loop
 from clients.loadtest.metrics import SLO, RequestRecord, summarize
@@ -42,14 +43,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m clients.loadtest",
         description=__doc__.splitlines()[0],
     )
-    add_connection_args(p)
+    add_connection_args(p, auth_help="file holding the bearer token, sent as `authorization: Bearer TOKEN` (gRPC "
+                        "metadata; HTTP header for llama-server --api-key and openai, e.g. smg/vLLM --api-key)")  # fmt: skip
     p.add_argument(
         "--protocol",
-        choices=["llm", "triton", "llama-server"],
+        choices=["llm", "triton", "llama-server", "openai"],
         default="llm",
-        help="llm.v1, Triton KServe v2, or llama-server's HTTP /completion (--target http://HOST:PORT)",
+        help="llm.v1, Triton KServe v2, llama-server's HTTP /completion (--target http://HOST:PORT), or an "
+        "OpenAI-compatible server's streaming API (--target http[s]://HOST:PORT; https verifies the server's "
+        "certificate and host name with --tls-ca, else the system's CAs)",
     )
-    p.add_argument("--model", default="ensemble", help="Triton model name (with --protocol triton)")
+    p.add_argument(
+        "--model",
+        help="model name: triton's model (default ensemble); openai's `model` field (default: the first id "
+        "GET /v1/models lists)",
+    )
+    p.add_argument(
+        "--openai-api",
+        choices=sorted(openai_http.APIS),
+        default="completions",
+        help="with --protocol openai: /v1/completions (the prompt as text) or /v1/chat/completions (the prompt as "
+        "one user message)",
+    )
     w = p.add_argument_group("workload")
     w.add_argument("--dataset", default="synthetic", help="'synthetic', a JSONL prompt file, or a ShareGPT JSON file")
     w.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens")
@@ -59,7 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens tokens")
     w.add_argument("--temperature", type=float, default=0.0)
     w.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrival process")
-    w.add_argument("--tokenizer", help="tokenizer.json or engine dir (default for llm and llama-server: the server's)")
+    w.add_argument(
+        "--tokenizer",
+        help="tokenizer.json or engine dir (default for llm and llama-server: the server's); triton and openai "
+        "need it to cut synthetic prompts and decode them to text (openai: not for a JSONL dataset)",
+    )
     load_args = p.add_argument_group("load (each sweep point is one run)")
     mode = load_args.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", help="closed loop: comma-separated concurrency levels, e.g. 1,4,16,64")
@@ -74,7 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--output", type=Path, help="write the results JSON here")
     out.add_argument("--csv", type=Path, help="write one CSV row per run here")
     out.add_argument("--plot", type=Path, help="write PNG plots into this directory")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.model is None and args.protocol == "triton":
+        args.model = "ensemble"
+    return args
 
 
 def tokenizer_fns(args: argparse.Namespace) -> TokenizerFns:
@@ -88,6 +110,14 @@ def tokenizer_fns(args: argparse.Namespace) -> TokenizerFns:
         raise SystemExit("loadtest: error: --protocol triton needs --tokenizer to build and count text prompts")
     if args.protocol == "llama-server":
         return llama_server.tokenizer_fns(llama_server.base_url(args.target), _http_headers(args))
+    if args.protocol == "openai":
+        if args.dataset.endswith(".jsonl"):  # prompts are text; their token counts come from each response's usage
+            return TokenizerFns(str.split, None)
+        raise SystemExit(
+            "loadtest: error: --protocol openai needs --tokenizer (the served model's tokenizer.json or engine dir) "
+            "for this dataset: an OpenAI API does not tokenize for its clients, and synthetic prompts are cut as "
+            "token ids and sent as text (smg 1.13.0 refuses token-id prompts); a JSONL dataset needs none"
+        )
     stub = llm_pb2_grpc.LLMServiceStub(open_channel(args))
     metadata = call_metadata(args)
 
@@ -103,6 +133,8 @@ def served_model(args: argparse.Namespace) -> dict:
         return {"model_name": args.model, "weight_format": "not reported by the triton protocol"}
     if args.protocol == "llama-server":
         return llama_server.model_info(llama_server.base_url(args.target), _http_headers(args))
+    if args.protocol == "openai":
+        return openai_http.model_info(_openai_endpoint(args), args.model, args.openai_api, dict(call_metadata(args)))
     info = llm_pb2_grpc.LLMServiceStub(open_channel(args)).GetModelInfo(
         llm_pb2.GetModelInfoRequest(), metadata=call_metadata(args), timeout=30
     )
@@ -116,11 +148,23 @@ def _http_headers(args: argparse.Namespace) -> dict[str, str]:
     return dict(call_metadata(args))  # llama-server --api-key checks the same "authorization: Bearer" header
 
 
+def _openai_endpoint(args: argparse.Namespace) -> http.Endpoint:
+    https = args.target.startswith("https://")
+    if args.tls_ca and not https:
+        raise ValueError("--tls-ca with --protocol openai takes an https:// --target")
+    if args.tls_server_name:
+        raise ValueError("--protocol openai checks the --target's host name: no --tls-server-name")
+    tls = http.tls_context(args.tls_ca, args.tls_cert, args.tls_key) if https else None
+    return http.endpoint(args.target, "--protocol openai", tls)
+
+
 def make_backend(args: argparse.Namespace) -> Backend:
     if args.protocol == "triton":
         return TritonBackend(args.target, args.model)
     if args.protocol == "llama-server":
         return llama_server.LlamaServerBackend(args.target, _http_headers(args))
+    if args.protocol == "openai":
+        return openai_http.OpenAIBackend(_openai_endpoint(args), args.model, args.openai_api, dict(call_metadata(args)))
     return LLMBackend(open_aio_channel(args), call_metadata(args))
 
 
@@ -184,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         model = served_model(args)
+        if args.protocol == "openai":
+            args.model = model["model_name"]  # what every request names
         console.print(f"model {model['model_name']}, weights {model['weight_format']}"
                       + (f", backend {model['backend']}" if "backend" in model else ""))  # fmt: skip
         runs = asyncio.run(run_sweep(args, console))
@@ -197,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "target": args.target,
         "protocol": args.protocol,
+        **({"openai_api": args.openai_api} if args.protocol == "openai" else {}),
         "model": model,
         "dataset": args.dataset,
         "input_len": args.input_len,
