@@ -17,6 +17,9 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
+MAX_CONSTRAINT_CHARS = 1 << 18  # a schema's or grammar's text (compiling it is bounded by this too)
+MAX_CHOICES = 256
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf", "choice", "structural_tag")
 
 
 class RequestStatus(enum.IntEnum):
@@ -49,6 +52,43 @@ def _check(ok: bool, message: str) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class Constraint:
+    """Structured output: what the generated text must match (vLLM's guided decoding / structured outputs,
+    OpenAI's response_format, TensorRT-LLM's GuidedDecodingParams). Only the shape is checked here; whether the
+    text compiles is the grammar engine's check, when a backend admits the request."""
+
+    kind: str  # one of CONSTRAINT_KINDS
+    # json_schema: the schema as JSON text; regex: the pattern; lark / gbnf: the grammar; structural_tag: its JSON;
+    # json_object and choice: ""
+    spec: str = ""
+    choices: tuple[str, ...] = ()  # kind "choice": the output is exactly one of these strings
+    any_whitespace: bool = True  # False: JSON with no free whitespace (vLLM's disable-any-whitespace)
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kind in CONSTRAINT_KINDS,
+            f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}",
+        )
+        _check(
+            len(self.spec) <= MAX_CONSTRAINT_CHARS,
+            f"the constraint's text has {len(self.spec)} characters, more than {MAX_CONSTRAINT_CHARS}",
+        )
+        needs_spec = self.kind not in ("json_object", "choice")
+        _check(bool(self.spec) == needs_spec, f"a {self.kind} constraint {'needs' if needs_spec else 'takes no'} text")
+        _check(
+            (self.kind == "choice") == bool(self.choices),
+            "choices go with a choice constraint, which needs at least one",
+        )
+        _check(
+            len(self.choices) <= MAX_CHOICES, f"choice allows at most {MAX_CHOICES} strings, got {len(self.choices)}"
+        )
+        _check(
+            sum(map(len, self.choices)) <= MAX_CONSTRAINT_CHARS and all(self.choices),
+            f"choices must be non-empty strings, {MAX_CONSTRAINT_CHARS} characters in all at most",
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampling and stopping parameters of one request (vLLM's names and defaults)."""
 
@@ -67,6 +107,7 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop token ids are suppressed until this many tokens exist
     logprobs: int | None = None  # None: none; 0: the chosen token's; N <= 20: plus the top N
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    constraint: Constraint | None = None  # structured output; None: free text
 
     def __post_init__(self) -> None:
         _check(
