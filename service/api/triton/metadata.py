@@ -3,7 +3,6 @@ tools such as tritonclient, perf_analyzer and GenAI-Perf read before they infer.
 
 from __future__ import annotations
 
-import importlib.metadata
 import time
 from dataclasses import dataclass
 
@@ -12,6 +11,7 @@ from tritonclient.grpc import service_pb2
 
 from build_engine.triton_models.configs import model_config
 from build_engine.triton_models.tables import MODEL_VERSION, ModelSpec, models
+from service import PACKAGE, version
 from service.api.edge import Edge
 from service.api.status import unary_errors
 from service.backends.base import Backend
@@ -82,7 +82,7 @@ class TritonMetadata:
         self.edge = edge
         self.models = models
         self.statistics = statistics
-        self.server_version = _version()
+        self.server_version = version()
 
     # ---- helpers -------------------------------------------------------------------------------------------
     def _backend_or_none(self) -> Backend | None:
@@ -116,7 +116,7 @@ class TritonMetadata:
         with self.edge.slot(context.peer()):
             self.edge.parse(service_pb2.ServerMetadataRequest, raw)
             return service_pb2.ServerMetadataResponse(
-                name="llm-grpc-serving", version=self.server_version, extensions=list(EXTENSIONS)
+                name=PACKAGE, version=self.server_version, extensions=list(EXTENSIONS)
             )
 
     @unary_errors
@@ -183,10 +183,3 @@ class TritonMetadata:
             for name in self.models.specs:
                 resp.models.add(name=name, version=MODEL_VERSION, state=state)
             return resp
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("llm-grpc-serving")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"

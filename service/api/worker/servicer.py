@@ -15,13 +15,13 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Iterator
-from importlib import metadata
 from pathlib import Path
 
 import grpc
 from smg_grpc_proto import trtllm_service_pb2 as pb
 from smg_grpc_proto.generated import common_pb2
 
+from service import PACKAGE, version
 from service.api import interceptors
 from service.api.edge import Edge
 from service.api.metrics import ServiceMetrics
@@ -34,7 +34,6 @@ from service.request import RequestOutput, TokenLogprob
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TrtllmService"].full_name
-PACKAGE = "llm-grpc-serving"
 TEXT_ONLY = "chunk.token_ids"  # BackendInfo.not_reported of a backend that streams no token ids
 
 
@@ -179,7 +178,7 @@ class TrtllmServicer:
         backend = self._serving()
         self.edge.parse(pb.GetServerInfoRequest, raw)
         return pb.GetServerInfoResponse(
-            version=f"{PACKAGE} {metadata.version(PACKAGE)}",
+            version=f"{PACKAGE} {version()}",
             backend=backend.info.backend,
             tensor_parallel_size=1,
             pipeline_parallel_size=1,
