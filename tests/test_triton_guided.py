@@ -189,3 +189,77 @@ def test_http_generate_sends_the_constraint(server: ServerThread, seen: list) ->
         conn.close()
     assert status == 400 and "'guided_decoding_guide' is required" in error, error
     assert seen == [Constraint("regex", "[0-9]+")]
+
+
+# ---- the triton backend: a constraint sent to a Triton server as these inputs -------------------------------------
+def _sent(constraint: Constraint) -> dict[str, str]:
+    from service.backends.triton_io import guided_inputs
+
+    out = {}
+    for t in guided_inputs(constraint):
+        assert t.datatype() == "BYTES" and t.shape() == [1, 1], t.name()
+        out[t.name()] = t._raw_content[4:].decode()  # one BYTES element: 4-byte length, then its bytes
+    return out
+
+
+@pytest.mark.parametrize(
+    ("constraint", "back"),
+    [
+        (Constraint("json_object"), Constraint("json_object")),
+        (Constraint("json_schema", SCHEMA), Constraint("json_schema", SCHEMA)),
+        (Constraint("regex", "[ab]+"), Constraint("regex", "[ab]+")),
+        (Constraint("gbnf", 'root ::= "a"'), Constraint("gbnf", 'root ::= "a"')),
+        (Constraint("choice", choices=("yes", "no")), Constraint("gbnf", 'root ::= "yes" | "no"')),
+    ],
+)
+def test_the_triton_backend_sends_what_the_door_reads_back(constraint: Constraint, back: Constraint) -> None:
+    sent = _sent(constraint)
+    assert set(sent) <= {"guided_decoding_guide_type", "guided_decoding_guide"}
+    assert guided_constraint(sent["guided_decoding_guide_type"], sent.get("guided_decoding_guide")) == back
+
+
+@pytest.mark.parametrize(
+    ("constraint", "why"),
+    [
+        (Constraint("lark", 'start: "a"'), "not Lark"),
+        (Constraint("structural_tag", "{}"), "maps no such guided_decoding_guide_type"),  # utils.cc would ignore it
+        (Constraint("json_object", any_whitespace=False), "any_whitespace"),
+    ],
+)
+def test_the_triton_backend_refuses_what_a_triton_server_cannot_take(constraint: Constraint, why: str) -> None:
+    with pytest.raises(InvalidRequest, match=why):
+        _sent(constraint)
+
+
+def test_a_constraint_crosses_the_chain(server: ServerThread) -> None:
+    """B (--backend triton, both Triton models) -> A's Triton door -> the Constraint A's backend gets."""
+    import asyncio
+
+    from service.request import GenerateRequest, SamplingParams
+
+    got: list = []
+    backend = server.server.backend
+    original = backend.generate
+
+    def recording(gen, *args, **kwargs):
+        got.append(gen.sampling.constraint)
+        return original(gen, *args, **kwargs)
+
+    backend.generate = recording
+    engine_dir = Path(server.server.cfg.backend.engine_dir)
+    try:
+        for model in ("tensorrt_llm", "ensemble"):
+            kw = {"backend_name": "triton", "backend.triton.url": _grpc(server), "backend.triton.model": model}
+            with running_server(engine_dir, **kw) as b:
+                prompt = b.server.backend.tokenizer.encode("hi")
+
+                async def go(b=b, prompt=prompt) -> list:
+                    sampling = SamplingParams(max_tokens=3, constraint=Constraint("choice", choices=("yes", "no")))
+                    return [o async for o in b.server.backend.generate(GenerateRequest("x", prompt, sampling))]
+
+                outs = asyncio.run_coroutine_threadsafe(go(), b.loop).result(60)
+                assert outs[-1].finished and outs[-1].finish_reason != "error", outs
+    finally:
+        del backend.generate
+    constrained = [c for c in got if c is not None]  # B's warm-up generation at its start is unconstrained
+    assert constrained == [Constraint("gbnf", 'root ::= "yes" | "no"')] * 2
