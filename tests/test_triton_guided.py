@@ -3,7 +3,8 @@ types) -> the Constraint the backend gets (service/api/triton/guided.py).
 
 The mapping is a pure function, tested on its own; then through the real door (gRPC stream, unary ModelInfer and
 HTTP generate) with the backend's generate wrapped to record the Constraint that reaches it. Whether the engine
-enforces it is the backend's business (native: llguidance; trtllm: xgrammar), not tested here.
+enforces it is the backend's business (native: llguidance; trtllm: xgrammar), not tested here. Only the tests
+that start servers are marked `server`: the mapping's own run in a quick unit run.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def _grpc(server: ServerThread) -> str:
     return f"127.0.0.1:{server.server.triton_port}"
 
 
+@pytest.mark.server
 def test_the_stream_door_sends_the_constraint(server: ServerThread, seen: list) -> None:
     url = _grpc(server)
     guided = {"guided_decoding_guide_type": "json_schema", "guided_decoding_guide": SCHEMA}
@@ -154,6 +156,7 @@ def test_the_stream_door_sends_the_constraint(server: ServerThread, seen: list) 
     assert seen == [Constraint("json_schema", SCHEMA), Constraint("gbnf", 'root ::= "a"'), None]
 
 
+@pytest.mark.server
 def test_unary_infer_sends_the_constraint_and_refuses_by_name(server: ServerThread, seen: list) -> None:
     client = tg.InferenceServerClient(_grpc(server))
     try:
@@ -169,6 +172,7 @@ def test_unary_infer_sends_the_constraint_and_refuses_by_name(server: ServerThre
     assert seen == [Constraint("json_object")]  # the refused one never reached the backend
 
 
+@pytest.mark.server
 def test_http_generate_sends_the_constraint(server: ServerThread, seen: list) -> None:
     body = {
         "text_input": "hi",
@@ -231,6 +235,7 @@ def test_the_triton_backend_refuses_what_a_triton_server_cannot_take(constraint:
         _sent(constraint)
 
 
+@pytest.mark.server
 def test_a_constraint_crosses_the_chain(server: ServerThread) -> None:
     """B (--backend triton, both Triton models) -> A's Triton door -> the Constraint A's backend gets."""
     import asyncio
