@@ -6,14 +6,17 @@ Writes TensorRT-LLM's inflight_batcher_llm layout (1.2 era) for Triton's `*-trtl
 
     ensemble/        config.pbtxt (platform "ensemble": preprocessing -> tensorrt_llm -> postprocessing), 1/
     preprocessing/   config.pbtxt, 1/model.py (ours: build_engine/triton_models/preprocessing.py)
-    tensorrt_llm/    config.pbtxt (backend "tensorrtllm", decoupled, inflight_fused_batching), 1/
+    tensorrt_llm/    config.pbtxt (backend "tensorrtllm", decoupled, inflight_fused_batching), 1/,
+                     xgrammar_tokenizer_info.json (guided decoding: build_engine/xgrammar_info.py)
     postprocessing/  config.pbtxt, 1/model.py (ours: build_engine/triton_models/postprocessing.py)
 
 Every config.pbtxt is a ModelConfig message (tritonclient's model_config_pb2) written with protobuf's text format,
 from the same tensor tables the service's own Triton front door serves (build_engine/triton_models/tables.py), so
 it parses by construction. The tensorrt_llm model carries every parameter the 1.2-era C++ backend reads without
-a fallback (build_engine/triton_models/backend_parameters.py, read from its source at a cited commit; the three
-guided-decoding ones set to "", which it reads as unset) and the values the backend's docs call mandatory
+a fallback (build_engine/triton_models/backend_parameters.py, read from its source at a cited commit:
+`guided_decoding_backend: xgrammar` with `xgrammar_tokenizer_info_path` naming the tokenizer-info file inside the
+container, or both "" (unset) with --no-guided-decoding; `tokenizer_dir` "", which the C++ backend does not use)
+and the values the backend's docs call mandatory
 (backend, max batch size, decoupled mode, queue delay and size, engine path, batching strategy, the logits data
 type), with the paged KV cache fraction, chunked context and scheduler policy passed in as a TrtllmRuntime
 (defaults: those of build_engine/trtllm_runtime.py, which the service's trtllm backend takes too) and block reuse
@@ -22,7 +25,9 @@ checked. The Python steps are our own model.py files, not copies of the containe
 the engine's tokenizer exactly as the service does.
 
 Paths inside the container: the engine directory is named by --engine-path (default: --engine as an absolute
-path, i.e. mount it at the same place), and the tokenizer is read from there too.
+path, i.e. mount it at the same place), and the tokenizer is read from there too; the repository itself is
+mounted at --repo-path (default /triton/repo, as the printed docker command does), which the
+xgrammar_tokenizer_info_path parameter names.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from build_engine.spec import EngineConfig, EngineFormatError, load_engine_confi
 from build_engine.triton_models.backend_parameters import unset_values
 from build_engine.triton_models.tables import MODELS
 from build_engine.trtllm_runtime import SCHEDULER_POLICIES, TrtllmRuntime
+from build_engine.xgrammar_info import TOKENIZER_INFO_FILE, tokenizer_info
 
 # The Triton container that serves engines of TensorRT-LLM 1.2.1. NOTE: not verified here (no NGC access): the
 # tensorrtllm_backend moved to 1.2.1 on 2026-04-16 (its PR #853), so 26.05 is the first monthly release that can
@@ -47,6 +53,13 @@ from build_engine.trtllm_runtime import SCHEDULER_POLICIES, TrtllmRuntime
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.05-trtllm-python-py3"
 STEPS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing")
 EXECUTOR_WORKER = "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker"
+REPO_PATH = "/triton/repo"  # where run_command mounts the repository inside the container
+GUIDED_DECODING_BACKEND = "xgrammar"  # the only value the C++ backend takes (getGuidedDecodingConfigFromParams)
+
+
+def tokenizer_info_path(repo_path: str) -> str:
+    """The xgrammar tokenizer-info file's path inside the container."""
+    return f"{repo_path.rstrip('/')}/tensorrt_llm/{TOKENIZER_INFO_FILE}"
 
 
 def _engine(engine_dir: Path) -> tuple[EngineConfig, dict]:
@@ -73,13 +86,22 @@ def configs(
     max_batch_size: int | None = None,
     python_instances: int = 1,
     max_queue_size: int = 0,
+    guided_decoding_info: str | None = None,
 ) -> dict:
-    """The four ModelConfig messages, by model name."""
+    """The four ModelConfig messages, by model name. guided_decoding_info: the xgrammar tokenizer-info file's
+    path inside the container (guided decoding on xgrammar), or None (no guided decoding)."""
     from build_engine.triton_models.configs import model_config  # tritonclient's model_config_pb2
 
     batch = max_batch_size or config.limits.max_batch_size
+    guided = {}
+    if guided_decoding_info is not None:
+        guided = {
+            "guided_decoding_backend": GUIDED_DECODING_BACKEND,
+            "xgrammar_tokenizer_info_path": guided_decoding_info,
+        }
     llm_params = {
-        **unset_values(),  # read without a fallback, but we have no guided decoding: "" (unset)
+        **unset_values(),  # read without a fallback: "" (unset) unless set below
+        **guided,
         "gpt_model_type": "inflight_fused_batching",  # batching_strategy
         "gpt_model_path": engine_path,  # engine_dir
         "max_beam_width": "1",
@@ -121,8 +143,11 @@ def write_repository(
     max_batch_size: int | None = None,
     python_instances: int = 1,
     max_queue_size: int = 0,
+    guided_decoding: bool = True,
+    repo_path: str = REPO_PATH,
 ) -> Path:
-    """Write the repository (atomically: a temporary directory renamed into place). Returns its path."""
+    """Write the repository (atomically: a temporary directory renamed into place). Returns its path.
+    repo_path: where the repository is mounted inside the container (the tokenizer-info file's parameter)."""
     from google.protobuf import text_format
 
     engine_dir, output = Path(engine_dir), Path(output)
@@ -130,9 +155,11 @@ def write_repository(
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
         raise BuildError(f"{output} exists and is not empty (--force replaces it)")
     path = engine_path or str(engine_dir.resolve())
+    info_path = tokenizer_info_path(repo_path) if guided_decoding else None
     messages = configs(
-        path, config, trtllm or TrtllmRuntime(), prefix_caching, max_batch_size, python_instances, max_queue_size
-    )
+        path, config, trtllm or TrtllmRuntime(), prefix_caching, max_batch_size, python_instances, max_queue_size,
+        info_path,
+    )  # fmt: skip
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
@@ -143,6 +170,8 @@ def write_repository(
                 f"(engine: {path}); TensorRT-LLM's inflight_batcher_llm layout.\n"
             )
             (tmp / name / "config.pbtxt").write_text(header + text_format.MessageToString(messages[name]))
+        if guided_decoding:
+            tokenizer_info(engine_dir, config.tokenizer.eos_token_ids).write(tmp / "tensorrt_llm" / TOKENIZER_INFO_FILE)
         models = resources.files("build_engine.triton_models")
         for name in ("preprocessing", "postprocessing"):
             (tmp / name / "1" / "model.py").write_text(models.joinpath(f"{name}.py").read_text())
@@ -155,14 +184,14 @@ def write_repository(
     return output
 
 
-def run_command(output: Path, engine_dir: Path, engine_path: str, world_size: int = 1) -> str:
+def run_command(output: Path, engine_dir: Path, engine_path: str, world_size: int = 1, repo: str = REPO_PATH) -> str:
     serve = (
-        f"python3 /app/scripts/launch_triton_server.py --world_size {world_size} --model_repo /triton/repo"
+        f"python3 /app/scripts/launch_triton_server.py --world_size {world_size} --model_repo {repo}"
         if world_size > 1
-        else "tritonserver --model-repository=/triton/repo"
+        else f"tritonserver --model-repository={repo}"
     )
     return (
-        f"docker run --rm --gpus all --shm-size=2g -p 8001:8001 -v {output.resolve()}:/triton/repo:ro "
+        f"docker run --rm --gpus all --shm-size=2g -p 8001:8001 -v {output.resolve()}:{repo}:ro "
         f"-v {engine_dir.resolve()}:{engine_path}:ro {TRITON_IMAGE} {serve}"
     )
 
@@ -198,6 +227,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-chunked-context", action="store_true", help="prefill long prompts in one piece")
     p.add_argument("--max-queue-size", type=int, default=0, help="Triton's queue bound for tensorrt_llm (0: none)")
     p.add_argument("--python-instances", type=int, default=1, help="instances of each Python step")
+    p.add_argument(
+        "--no-guided-decoding",
+        action="store_true",
+        help="leave guided decoding off (no xgrammar tokenizer-info file, guided_decoding_backend unset)",
+    )
+    p.add_argument(
+        "--repo-path",
+        default=REPO_PATH,
+        help="where the repository is mounted inside the container (the xgrammar tokenizer-info file is there)",
+    )
     p.add_argument("--force", action="store_true", help="replace a non-empty --output")
     return p.parse_args(argv)
 
@@ -213,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = write_repository(
             engine_dir, args.output, args.engine_path, args.force, trtllm, not args.no_block_reuse,
-            args.max_batch_size, args.python_instances, args.max_queue_size,
+            args.max_batch_size, args.python_instances, args.max_queue_size, not args.no_guided_decoding,
+            args.repo_path,
         )  # fmt: skip
         _, settings = _engine(engine_dir)
     except (BuildError, OSError, ValueError) as exc:
@@ -222,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     world = int(settings.get("tp_size", 1)) * int(settings.get("pp_size", 1))
     path = args.engine_path or str(engine_dir.resolve())
     print(f"wrote {', '.join(STEPS)} into {out}")
-    print(f"serve it with Triton's TensorRT-LLM container:\n  {run_command(out, engine_dir, path, world)}")
+    print(
+        f"serve it with Triton's TensorRT-LLM container:\n  {run_command(out, engine_dir, path, world, args.repo_path)}"
+    )
     return 0
 
 

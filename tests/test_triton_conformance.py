@@ -159,7 +159,6 @@ def test_text_client_refuses_what_it_cannot_honour_by_name(decoupled: ServerThre
         "return_kv_cache_reuse_stats": np.array([[True]], dtype=bool),
         "embedding_bias_words": np.array([["foo"]]).astype(object),
         "lora_task_id": np.array([[1]], dtype=np.uint64),
-        "guided_decoding_guide": np.array([["{}"]]).astype(object),
     }
     for name, value in cases.items():
         run = stream_once(_url(decoupled), "ensemble", _text_client_inputs(PROMPT, True, **{name: value}))

@@ -88,22 +88,47 @@ def test_tensorrt_llm_config_has_the_mandatory_values(repo: Path) -> None:
 
 def test_tensorrt_llm_config_has_every_parameter_the_backend_reads_without_a_fallback(repo: Path) -> None:
     """The 1.2-era C++ backend reads these with GetParameter outside any try: a missing one fails model instance
-    creation (backend_parameters.py, cited from model_instance_state.cc). We have no guided decoding, so the
-    guided-decoding ones carry the value the C++ code treats as unset."""
+    creation (backend_parameters.py, cited from model_instance_state.cc). Guided decoding is on (xgrammar, its
+    tokenizer-info file inside the container); tokenizer_dir carries the value the C++ code treats as unset."""
     cfg = _parse(repo / "tensorrt_llm" / "config.pbtxt")
     params = {k: v.string_value for k, v in cfg.parameters.items()}
     assert {p.name for p in REQUIRED_PARAMETERS} == {
         "gpt_model_type", "tokenizer_dir", "xgrammar_tokenizer_info_path", "guided_decoding_backend",
     }  # fmt: skip
+    guided = {"guided_decoding_backend": "xgrammar",
+              "xgrammar_tokenizer_info_path": "/triton/repo/tensorrt_llm/xgrammar_tokenizer_info.json"}  # fmt: skip
     for p in REQUIRED_PARAMETERS:
         assert p.name in params, f"{p.name} ({p.file} {p.function}) is read without a fallback"
         if p.unset is None:
             assert params[p.name], p.name  # no value means unset: a real one is needed
         else:
-            assert params[p.name] == p.unset, p.name
+            assert params[p.name] == guided.get(p.name, p.unset), p.name
     assert params["gpt_model_type"] in BATCHING_TYPES
     assert params["gpt_model_path"]  # read with a fallback, but an empty path fails the next check
     assert len(SOURCE_COMMIT) == 40  # the table cites one commit (docs/triton.md)
+
+
+def test_the_xgrammar_tokenizer_info_file_is_what_the_cpp_backend_reads(repo: Path, trtllm_engine: Path) -> None:
+    """model_instance_state.cc reads tokenizerInfo["encoded_vocab"], ["tokenizer_str"] and ["stop_token_ids"] from
+    the file xgrammar_tokenizer_info_path names (the format of TensorRT-LLM's generate_xgrammar_tokenizer_info.py)."""
+    info = json.loads((repo / "tensorrt_llm" / "xgrammar_tokenizer_info.json").read_text())
+    assert set(info) == {"encoded_vocab", "tokenizer_str", "stop_token_ids"}
+    tok = Tokenizer.from_engine_dir(trtllm_engine)
+    assert info["encoded_vocab"] == [tok.id_to_token(i) for i in range(tok.vocab_size)]
+    assert info["tokenizer_str"] == (trtllm_engine / spec.TOKENIZER_FILE).read_text()
+    assert info["stop_token_ids"] == list(load_engine_config(trtllm_engine).tokenizer.eos_token_ids)
+
+
+def test_guided_decoding_off_and_another_mount(tmp_path: Path, trtllm_engine: Path) -> None:
+    off = tmp_path / "off"
+    assert main(["--engine", str(trtllm_engine), "--output", str(off), "--no-guided-decoding"]) == 0
+    params = {k: v.string_value for k, v in _parse(off / "tensorrt_llm" / "config.pbtxt").parameters.items()}
+    assert params["guided_decoding_backend"] == params["xgrammar_tokenizer_info_path"] == ""  # read as unset
+    assert not (off / "tensorrt_llm" / "xgrammar_tokenizer_info.json").exists()
+    moved = tmp_path / "moved"
+    assert main(["--engine", str(trtllm_engine), "--output", str(moved), "--repo-path", "/models/"]) == 0
+    params = {k: v.string_value for k, v in _parse(moved / "tensorrt_llm" / "config.pbtxt").parameters.items()}
+    assert params["xgrammar_tokenizer_info_path"] == "/models/tensorrt_llm/xgrammar_tokenizer_info.json"
 
 
 def test_the_ensemble_wires_its_steps(repo: Path) -> None:

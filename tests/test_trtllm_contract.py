@@ -38,7 +38,7 @@ from service.backends.trtllm_rules import (
 )
 from service.config import AdmissionConfig, BackendConfig, TrtllmConfig
 from service.errors import BackendLoadError
-from service.request import GenerateRequest, SamplingParams
+from service.request import Constraint, GenerateRequest, SamplingParams
 from service.stops import Stop
 from tests.servers import generate, ids_and_text, running_server
 from tests.trtllm_double import installed
@@ -649,7 +649,11 @@ def _exercise_everything(engine: Path, tmp: Path, recorder) -> None:
         kinds = [SamplingParams(max_tokens=3, temperature=0, stop_token_ids=(7,), min_tokens=1),
                  SamplingParams(max_tokens=3, temperature=0.8, top_k=4, top_p=0.9, seed=1,
                                 repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1, logprobs=0),
-                 SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)]  # fmt: skip
+                 SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True),
+                 *(SamplingParams(max_tokens=3, temperature=0, constraint=c) for c in (
+                     Constraint("json_object"), Constraint("json_schema", '{"type": "object"}'),
+                     Constraint("regex", "[ab]+"), Constraint("gbnf", 'root ::= "a"'),
+                     Constraint("choice", choices=("a", "b")), Constraint("structural_tag", "{}")))]  # fmt: skip
         for sampling in kinds:
             [o async for o in backend.generate(GenerateRequest("x", [5, 6], sampling))]
         stream = backend.generate(GenerateRequest("c", [5, 6], SamplingParams(max_tokens=200, ignore_eos=True)))
@@ -673,7 +677,11 @@ def test_everything_our_code_touches_exists_in_the_real_surface(double, engine: 
                 "tensorrt_llm.Mapping(tp_size=)", "tensorrt_llm.models.modeling_utils.QuantConfig(quant_algo=)",
                 "tensorrt_llm.bindings.executor.Executor.cancel_request",
                 "tensorrt_llm.bindings.executor.Executor.get_latest_iteration_stats",
-                "tensorrt_llm.bindings.executor.SamplingConfig(top_p=)"}  # fmt: skip
+                "tensorrt_llm.bindings.executor.SamplingConfig(top_p=)",
+                f"{EXECUTOR}.Request(guided_decoding_params=)", f"{EXECUTOR}.ExecutorConfig(guided_decoding_config=)",
+                f"{EXECUTOR}.GuidedDecodingParams(guide_type=)", f"{EXECUTOR}.GuidedDecodingParams(guide=)",
+                *(f"{EXECUTOR}.GuidedDecodingConfig({k}=)"
+                  for k in ("backend", "encoded_vocab", "tokenizer_str", "stop_token_ids"))}  # fmt: skip
     assert expected <= touched  # the exercise really went through these paths
     assert f"{EXECUTOR}.SamplingConfig(min_p=)" not in touched  # refused, never sent (docs/gpu.md)
     top_level = {n for n in touched if n.count(".") == 1 and "(" not in n}

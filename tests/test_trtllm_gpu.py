@@ -214,3 +214,54 @@ def test_kv_events_from_the_real_event_manager(trt_engine: Path) -> None:
         finally:
             call.cancel()
         assert len(log.live_block_hashes()) >= len(want)
+
+
+def test_guided_decoding_on_xgrammar(trt_engine: Path) -> None:
+    """Every constraint kind the trtllm backend sends (service/backends/trtllm_guided.py) is enforced by the real
+    executor's xgrammar: greedy outputs that end with `stop` parse / match, a choice is one of its strings, and a
+    bad schema comes back as the request's error (never a crash). Not yet run (docs/gpu.md)."""
+    import asyncio
+    import re
+
+    from service.backends.trtllm import TrtllmBackend
+    from service.config import BackendConfig
+    from service.request import Constraint, GenerateRequest, SamplingParams
+    from service.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_engine_dir(trt_engine)
+    prompt = tok.encode_chat([{"role": "user", "content": "Give me a JSON object describing a cat."}])
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+    cases = {
+        "json_object": Constraint("json_object"),
+        "json_schema": Constraint("json_schema", json.dumps(schema)),
+        "regex": Constraint("regex", r"[0-9]{3}-[a-z]{2,5}"),
+        "gbnf": Constraint("gbnf", 'root ::= "(" [0-9]+ (" + " [0-9]+)* ")"'),
+        "choice": Constraint("choice", choices=("yes", "no", "maybe")),
+    }
+
+    async def run() -> dict:
+        backend = TrtllmBackend(BackendConfig(engine_dir=str(trt_engine)))
+        backend.start(lambda healthy: None, lambda reason: None)
+        out = {}
+        for name, constraint in cases.items():
+            sampling = SamplingParams(max_tokens=128, temperature=0, constraint=constraint)
+            outs = [o async for o in backend.generate(GenerateRequest(name, prompt, sampling))]
+            out[name] = ("".join(o.new_text for o in outs), outs[-1].finish_reason)
+        bad = SamplingParams(max_tokens=8, constraint=Constraint("json_schema", '{"type": "no-such-type"}'))
+        outs = [o async for o in backend.generate(GenerateRequest("bad", prompt, bad))]
+        out["bad"] = ("", outs[-1].finish_reason)
+        await backend.shutdown(5)
+        return out
+
+    results = asyncio.run(run())
+    for name in ("json_object", "json_schema", "regex", "gbnf", "choice"):
+        text, reason = results[name]
+        assert reason == "stop", (name, text, reason)
+    assert isinstance(json.loads(results["json_object"][0]), dict)
+    cat = json.loads(results["json_schema"][0])
+    assert set(cat) == {"name", "age"} and isinstance(cat["name"], str) and isinstance(cat["age"], int)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", results["regex"][0])
+    assert re.fullmatch(r"\([0-9]+( \+ [0-9]+)*\)", results["gbnf"][0])
+    assert results["choice"][0] in ("yes", "no", "maybe")
+    assert results["bad"][1] == "error"

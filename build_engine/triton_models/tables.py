@@ -78,6 +78,13 @@ DRAFT_OUTPUTS = ("total_accepted_draft_tokens", "total_draft_tokens")  # with ac
 PERF_METRICS_OUTPUTS = (*PERF_OUTPUTS, *KV_CACHE_OUTPUTS, "acceptance_rate", *DRAFT_OUTPUTS)
 LOG_PROB_OUTPUTS = ("cum_log_probs", "output_log_probs")
 
+_GUIDED_INPUTS = (  # TYPE_STRING, dims [1], allow_ragged_batch, optional (both models' 1.2-era config.pbtxt)
+    Tensor("guided_decoding_guide_type", "BYTES", ragged=True,
+           note="json, json_schema, regex, ebnf_grammar or structural_tag (service/api/triton/guided.py)"),
+    Tensor("guided_decoding_guide", "BYTES", ragged=True,
+           note="the schema, regex, GBNF grammar or structural tag (none with json)"),
+)  # fmt: skip
+
 # ---- tensorrt_llm: token ids in, token ids out (TensorRT-LLM's C++ backend) -------------------------------------
 _T = {"scalar": True}
 TENSORRT_LLM_INPUTS = (
@@ -122,6 +129,7 @@ TENSORRT_LLM_INPUTS = (
     _b("stop", **_T, note="ends the requests with this request's id on the same stream only"),
     _b("streaming", **_T),
     Tensor("lora_task_id", "UINT64", **_T, served=False),
+    *_GUIDED_INPUTS,
 )
 # what tensorrt_llm returns per sequence besides its ids, and the ensemble passes through
 _SEQUENCE_OUTPUTS = (
@@ -171,6 +179,7 @@ ENSEMBLE_INPUTS = (
     _i("beam_width", note="1 only"),
     _i("num_return_sequences", note="1 only"),
     _b("stream"),
+    *_GUIDED_INPUTS,
 )
 ENSEMBLE_OUTPUTS = (
     Tensor("text_output", "BYTES", dims=(-1,), note="[batch x beams] (NVIDIA's postprocessing: one flat array)"),
@@ -216,6 +225,7 @@ _DIRECT = (  # ensemble input -> tensorrt_llm input
     ("return_num_input_tokens", "return_num_input_tokens"), ("return_num_output_tokens", "return_num_output_tokens"),
     ("exclude_input_in_output", "exclude_input_in_output"), ("beam_width", "beam_width"),
     ("num_return_sequences", "num_return_sequences"), ("stream", "streaming"),
+    ("guided_decoding_guide_type", "guided_decoding_guide_type"), ("guided_decoding_guide", "guided_decoding_guide"),
 )  # fmt: skip
 
 
@@ -275,7 +285,6 @@ _SPECULATIVE = "speculative decoding inputs are not supported yet"
 _LORA = "LoRA adapters are not supported"
 _PROMPT_TABLE = "prompt tuning / multimodal embeddings are not supported"
 _ENCODER = "this is a decoder-only model (no encoder)"
-_GUIDED = "guided decoding is not supported yet"
 _RETENTION = "KV cache retention priorities are not supported"
 _BIAS = "embedding bias is not supported"
 _REUSE_STATS = "not an input of the 1.x models: return_perf_metrics returns the kv_cache_* outputs"
@@ -292,7 +301,6 @@ REFUSED: dict[str, dict[str, str]] = {
         "retention_token_range_starts": _RETENTION, "retention_token_range_ends": _RETENTION,
         "retention_token_range_priorities": _RETENTION, "retention_token_range_durations_ms": _RETENTION,
         "retention_decode_priority": _RETENTION, "retention_decode_duration_ms": _RETENTION,
-        "guided_decoding_guide_type": _GUIDED, "guided_decoding_guide": _GUIDED,
         "embedding_bias": _BIAS, "runtime_top_p_min": "top-p decay is not supported",
         "runtime_top_p_decay": "top-p decay is not supported", "runtime_top_p_reset_ids": "top-p decay is not "
         "supported", "early_stopping": "beam search is not supported (beam_width 1 only)",
@@ -303,7 +311,7 @@ REFUSED: dict[str, dict[str, str]] = {
         "decoder_text_input": _ENCODER, "prompt_embedding_table": _PROMPT_TABLE,
         "prompt_table_extra_id": _PROMPT_TABLE, "prompt_vocab_size": _PROMPT_TABLE,
         "embedding_bias_words": _BIAS, "embedding_bias_weights": _BIAS, "lora_task_id": _LORA, "lora_weights": _LORA, "lora_config": _LORA,
-        "guided_decoding_guide_type": _GUIDED, "guided_decoding_guide": _GUIDED, "num_draft_tokens": _SPECULATIVE,
+        "num_draft_tokens": _SPECULATIVE,
         "use_draft_logits": _SPECULATIVE,
         "return_kv_cache_reuse_stats": _REUSE_STATS,
     },

@@ -15,6 +15,8 @@
 - Sampling as TensorRT-LLM needs it: it decodes greedily unless top_k > 1 or top_p > 0, so temperature 0 sends
   top_k = 1 and sampling without top_k sends top_p; ignore_eos sends end_id = -1; without a seed each request
   draws one (TensorRT-LLM's runtime default is 0 for every request).
+- A constraint (structured output) goes as the models' guided_decoding_guide_type / guided_decoding_guide inputs
+  (xgrammar on the server; triton_io.guided_inputs): lark, any_whitespace=false and structural_tag refused.
 - Timing from the `*_time_ns` outputs (return_perf_metrics) when the server returns them, on its steady clock
   (differences only); else measured here (Timing.source = edge).
 - Health: ServerReady and ModelReady, polled; a server that does not answer turns the service NOT_SERVING and
@@ -48,6 +50,7 @@ from service.backends.triton_io import (
     channel_args,
     end_requests,
     ensemble_inputs,
+    guided_inputs,
     is_final,
     stamps,
     streamed_text,
@@ -252,6 +255,7 @@ class TritonBackend(BackendRuntime):
             raise InvalidRequest("sampling.min_p: TensorRT-LLM's Triton models have no min_p input")
         if gen.priority:
             raise InvalidRequest("priority: the triton backend sends every request at priority 0")
+        guided_inputs(p.constraint)  # refuses, by name, a constraint the server cannot take
         if gen.cache_salt:
             raise InvalidRequest(
                 "cache_salt: TensorRT-LLM's Triton models have no cache salt input, so the triton backend cannot "

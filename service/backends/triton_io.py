@@ -1,6 +1,6 @@
 """The triton backend's wire format: tritonclient's channel arguments and stream shutdown, the request tensors of
-TensorRT-LLM's `tensorrt_llm` and `ensemble` models, and what their responses carry (token ids, text, the
-server's timing stamps)."""
+TensorRT-LLM's `tensorrt_llm` and `ensemble` models (a constraint as their guided-decoding inputs), and what their
+responses carry (token ids, text, the server's timing stamps)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,16 @@ import numpy as np
 from tritonclient.grpc import InferenceServerClient, InferInput
 
 from service.backends.remote import EndIds, sampling_values
+from service.backends.trtllm_guided import guide
 from service.config import TritonConfig
-from service.request import GenerateRequest, SamplingParams
+from service.errors import InvalidRequest
+from service.request import Constraint, GenerateRequest, SamplingParams
 
 FINAL = "triton_final_response"
 PERF = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+# GuidedDecodingParams.GuideType member -> the models' guided_decoding_guide_type value: the C++ backend's map
+# (inflight_batcher_llm/src/utils.cc getGuidedDecodingParamsFromTensors), which has no structural_tag
+GUIDE_TYPE_VALUES = {"JSON": "json", "JSON_SCHEMA": "json_schema", "REGEX": "regex", "EBNF_GRAMMAR": "ebnf_grammar"}
 
 
 def channel_args(cfg: TritonConfig) -> list[tuple[str, int]]:
@@ -80,6 +85,28 @@ def sampling_tensors(p: SamplingParams, model: str) -> list[InferInput]:
     return out
 
 
+def _string(name: str, value: str) -> InferInput:
+    return tensor(name, np.array([value.encode()], dtype=np.object_), "BYTES", np.object_)
+
+
+def guided_inputs(constraint: Constraint | None) -> list[InferInput]:
+    """A constraint as the guided_decoding_guide_type / guided_decoding_guide inputs (TensorRT-LLM's xgrammar on the
+    server: the trtllm backend's mapping, trtllm_guided.py); InvalidRequest naming what the server cannot take."""
+    if constraint is None:
+        return []
+    member, text = guide(constraint)  # lark and any_whitespace=false refused there
+    value = GUIDE_TYPE_VALUES.get(member)
+    if value is None:
+        raise InvalidRequest(
+            f"constraint kind {constraint.kind}: TensorRT-LLM's Triton backend maps no such guided_decoding_guide_type "
+            "(json, json_schema, regex, ebnf_grammar only) and would ignore it"
+        )
+    out = [_string("guided_decoding_guide_type", value)]
+    if text is not None:
+        out.append(_string("guided_decoding_guide", text))
+    return out
+
+
 def token_inputs(gen: GenerateRequest, end_ids: EndIds) -> list[InferInput]:
     """The tensorrt_llm model's inputs for a request: token ids, our sampling, end and stop ids."""
     p, ids = gen.sampling, list(gen.prompt_token_ids)
@@ -93,6 +120,7 @@ def token_inputs(gen: GenerateRequest, end_ids: EndIds) -> list[InferInput]:
         tensor("exclude_input_in_output", True, "BOOL", np.bool_),
         tensor("return_perf_metrics", True, "BOOL", np.bool_),
         *sampling_tensors(p, "tensorrt_llm"),
+        *guided_inputs(p.constraint),
     ]
     words = end_ids.stop_words(p)
     if words:  # single-token stop words: ids, then cumulative end offsets
@@ -104,7 +132,7 @@ def ensemble_inputs(gen: GenerateRequest, text: str) -> list[InferInput]:
     """The ensemble model's inputs for a request: its text (the ensemble tokenizes it again), our sampling."""
     p = gen.sampling
     inputs = [
-        tensor("text_input", np.array([text.encode()], dtype=np.object_), "BYTES", np.object_),
+        _string("text_input", text),
         tensor("max_tokens", p.max_tokens, "INT32", np.int32),
         tensor("stream", True, "BOOL", np.bool_),
         tensor("exclude_input_in_output", True, "BOOL", np.bool_),
@@ -112,6 +140,7 @@ def ensemble_inputs(gen: GenerateRequest, text: str) -> list[InferInput]:
         tensor("return_num_input_tokens", True, "BOOL", np.bool_),
         tensor("return_num_output_tokens", True, "BOOL", np.bool_),
         *sampling_tensors(p, "ensemble"),
+        *guided_inputs(p.constraint),
     ]
     if p.ignore_eos:
         inputs.append(tensor("end_id", -1, "INT32", np.int32))

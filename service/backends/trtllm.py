@@ -11,6 +11,8 @@ it and its responses back, the way Triton's own Python model drives it:
 - perf metrics (arrival, first scheduled, first token, last token) become the same Timing as the native
   engine's (docs/timing.md); iteration stats feed the KV and batch gauges;
 - a request's cache salt becomes the executor's cache_salt_id, so KV blocks are reused only under one salt;
+- structured output on xgrammar (trtllm_guided.py): the executor is built with a GuidedDecodingConfig from the
+  engine's tokenizer, a constrained request carries GuidedDecodingParams (lark and any_whitespace=false refused);
 - admission refuses what the executor would only fail (trtllm_rules.py: prompts over max_input_len, or over
   max_num_tokens without chunked context; min_p, logprobs > 0, priority); finish reasons come from a map of
   every real FinishReason member (an unknown one fails the request, it is never reported as "length");
@@ -36,6 +38,8 @@ from typing import Any
 
 from build_engine import spec
 from build_engine.spec import EngineFormatError, load_engine_config, load_trtllm_build_config
+from build_engine.xgrammar_info import tokenizer_info
+from service.backends import trtllm_guided as guided
 from service.backends import trtllm_kv_events as kv_events
 from service.backends.base import BackendInfo
 from service.backends.kv_events import KvEventLog
@@ -126,6 +130,7 @@ class TrtllmBackend(BackendRuntime):
         self.finish = finish_reasons(self.trt.FinishReason)  # BackendLoadError unless every member is mapped
         self.tokenizer = Tokenizer.from_engine_dir(self.engine_dir)
         self.end_ids = EndIds.of(self.config)
+        self.xgrammar = tokenizer_info(self.engine_dir, self.config.tokenizer.eos_token_ids)
         self._base_info = self._info()
         self._stats = BackendStats(0, 0, 0, 0)
         self._observer: Observer | None = None
@@ -152,6 +157,7 @@ class TrtllmBackend(BackendRuntime):
             "kv_cache_config": kv,
             "enable_chunked_context": cfg.trtllm.enable_chunked_context,
             "iter_stats_max_iterations": 1000,
+            "guided_decoding_config": guided.guided_decoding_config(trt, self.xgrammar),
         }
         if cfg.max_num_seqs:
             kw["max_batch_size"] = cfg.max_num_seqs
@@ -253,6 +259,7 @@ class TrtllmBackend(BackendRuntime):
         check_request(gen.prompt_token_ids, gen.sampling, self._base_info.limits)
         check_prompt(len(gen.prompt_token_ids), self.prompt_limits)
         check_supported(gen)
+        guided.check_constraint(gen.sampling.constraint)
         self.check_queue()
         request = self._request(gen)
         with self._lock:
@@ -272,6 +279,9 @@ class TrtllmBackend(BackendRuntime):
     def _request(self, gen: GenerateRequest) -> Any:
         trt, p = self.trt, gen.sampling
         stop_words = [[t] for t in self.end_ids.stop_words(p)]
+        extra = {}  # only what a request uses: an unconstrained request is what it was before guided decoding
+        if p.constraint is not None:
+            extra["guided_decoding_params"] = guided.guided_decoding_params(trt, p.constraint)
         return trt.Request(
             input_token_ids=list(gen.prompt_token_ids),
             max_tokens=p.max_tokens,
@@ -284,6 +294,7 @@ class TrtllmBackend(BackendRuntime):
             pad_id=self.end_ids.pad_id,
             stop_words=stop_words or None,
             cache_salt_id=cache_salt_id(gen.cache_salt),
+            **extra,
         )
 
     def abort(self, req_id: str) -> None:

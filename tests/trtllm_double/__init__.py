@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from tests.trtllm_double.build import EngineDouble, LLaMAForCausalLMDouble, MappingDouble, build_double
-from tests.trtllm_double.executor import ExecutorDouble, RequestDouble, ResponseDouble
+from tests.trtllm_double.executor import ExecutorDouble, GuidedDecodingParamsDouble, RequestDouble, ResponseDouble
 from tests.trtllm_double.kv_events import EVENT_TYPES, KVCacheEventManagerDouble
 from tests.trtllm_double.surface import (
     RECORDER,
@@ -38,6 +38,7 @@ BEHAVIOUR = {  # JSON classes whose behaviour the double implements
     "tensorrt_llm.bindings.executor.Executor": ExecutorDouble,
     "tensorrt_llm.bindings.executor.Request": RequestDouble,
     "tensorrt_llm.bindings.executor.Response": ResponseDouble,
+    "tensorrt_llm.bindings.executor.GuidedDecodingParams": GuidedDecodingParamsDouble,
     "tensorrt_llm.bindings.executor.kv_cache.KVCacheEventManager": KVCacheEventManagerDouble,
     "tensorrt_llm.models.LLaMAForCausalLM": LLaMAForCausalLMDouble,
     "tensorrt_llm.builder.Engine": EngineDouble,

@@ -14,6 +14,15 @@ it), STOP_WORDS for a stop word, returned (unverified, STOP_WORD_IN_OUTPUT switc
 Admission as TensorRT-LLM's: a prompt over the engine's max_input_len, or over max_num_tokens with chunked
 context off, comes back as an error response.
 
+Guided decoding: the executor takes a GuidedDecodingConfig on XGRAMMAR only (TensorRT-LLM 1.2's C++ runtime
+refuses LLGUIDANCE, cpp/tensorrt_llm/batch_manager/guidedDecoder.cpp), with a vocabulary of strings, the tokenizer
+text and int stop ids; a request's GuidedDecodingParams is turned back into our Constraint (JSON -> json_object,
+JSON_SCHEMA -> json_schema, REGEX -> regex, EBNF_GRAMMAR -> gbnf, STRUCTURAL_TAG -> structural_tag) and handed to the
+native engine underneath, which enforces it where it can (a constraint it refuses comes back as the request's error
+response); a constrained request to an executor without a guided-decoding config is an error response (the real
+message is not known here). GuidedDecodingParams without a guide for any type but JSON raises, as its C++
+constructor checks ("The guide string must be provided unless using GuideType::kJSON").
+
 Test hooks (not TensorRT-LLM API): fail_next_request(message) makes the next enqueued request come back as an
 error response; crash() makes await_responses raise, as a dead executor would.
 """
@@ -30,10 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from service.engine.core import EngineCore
-from service.request import GenerateRequest, RequestOutput, SamplingParams
+from service.errors import InvalidRequest
+from service.request import Constraint, GenerateRequest, RequestOutput, SamplingParams
 from tests.trtllm_double.surface import RECORDER, SurfaceObject
 
 KV_BLOCKS = 256  # the double's "GPU" KV pool
+# GuidedDecodingParams.GuideType member -> our constraint kind (the native engine underneath enforces it)
+GUIDE_KINDS = {"JSON": "json_object", "JSON_SCHEMA": "json_schema", "REGEX": "regex", "EBNF_GRAMMAR": "gbnf",
+               "STRUCTURAL_TAG": "structural_tag"}  # fmt: skip
 
 
 def _steady(seconds: float) -> datetime.timedelta:
@@ -55,6 +68,7 @@ class ExecutorDouble(SurfaceObject):
         self._build = json.loads((engine_dir / "config.json").read_text())["build_config"]
         rank0 = json.loads((engine_dir / "rank0.engine").read_text())
         cfg = self.executor_config
+        self._check_guided(cfg.guided_decoding_config)
         object.__setattr__(self, "core", EngineCore(
             engine_dir / rank0["native"],
             num_kv_blocks=KV_BLOCKS,
@@ -143,7 +157,29 @@ class ExecutorDouble(SurfaceObject):
             self._s["lock"].notify_all()
 
     # ---- the engine underneath -----------------------------------------------------------------------------
+    def _check_guided(self, config: Any) -> None:
+        if config is None:
+            return
+        if config.backend != self._namespace["GuidedDecodingConfig"].GuidedDecodingBackend.XGRAMMAR:
+            raise RuntimeError(f"[TensorRT-LLM][ERROR] {config.backend} is not supported in C++ runtime (test double)")
+        vocab, stops = config.encoded_vocab, config.stop_token_ids
+        if not isinstance(vocab, list) or not vocab or not all(isinstance(t, str) for t in vocab):
+            raise TypeError("GuidedDecodingConfig(encoded_vocab=...) takes a non-empty list of str")
+        if not isinstance(config.tokenizer_str, str) or not config.tokenizer_str:
+            raise TypeError("GuidedDecodingConfig(tokenizer_str=...) takes the tokenizer.json text")
+        if not isinstance(stops, list) or not all(type(t) is int and 0 <= t < len(vocab) for t in stops):
+            raise TypeError("GuidedDecodingConfig(stop_token_ids=...) takes a list of token ids of the vocabulary")
+
+    def _constraint(self, request: Any) -> Constraint | None:
+        params = request.guided_decoding_params
+        if params is None:
+            return None
+        kind = GUIDE_KINDS[params.guide_type.name]
+        return Constraint(kind, "" if kind == "json_object" else params.guide)
+
     def _invalid(self, request: Any) -> str | None:
+        if request.guided_decoding_params is not None and self.executor_config.guided_decoding_config is None:
+            return "a guided-decoding request to an executor without a GuidedDecodingConfig (test double)"
         n = len(request.input_token_ids)
         if n > self._build["max_input_len"]:
             return f"[TensorRT-LLM][ERROR] input length {n} exceeds max_input_len {self._build['max_input_len']}"
@@ -176,6 +212,7 @@ class ExecutorDouble(SurfaceObject):
             min_tokens=c.min_tokens or 0,
             logprobs=0 if o.return_log_probs else None,
             skip_special_tokens=False,
+            constraint=self._constraint(request),
         )
 
     def _loop(self) -> None:
@@ -186,10 +223,16 @@ class ExecutorDouble(SurfaceObject):
                     return
                 adds, s["adds"] = s["adds"], []
                 cancels, s["cancels"] = s["cancels"], set()
+            errors = []
             for rid, request, arrival in adds:
                 salt = "" if request.cache_salt_id is None else f"trtllm-salt-{request.cache_salt_id}"
-                gen = GenerateRequest(str(rid), list(request.input_token_ids), self._sampling(request), cache_salt=salt)
-                req = core.enqueue(gen, str(rid), arrival)
+                try:  # the native engine compiles a constraint here, and refuses one it cannot take
+                    gen = GenerateRequest(str(rid), list(request.input_token_ids), self._sampling(request),
+                                          cache_salt=salt)  # fmt: skip
+                    req = core.enqueue(gen, str(rid), arrival)
+                except InvalidRequest as exc:
+                    errors.append(self._namespace["Response"](rid, f"[TensorRT-LLM][ERROR] {exc}"))
+                    continue
                 if request.end_id is not None and request.end_id >= 0:
                     req.eos_token_ids = frozenset({request.end_id})
                 s["live"][rid] = (request, arrival, req)
@@ -200,7 +243,7 @@ class ExecutorDouble(SurfaceObject):
                 with s["lock"]:  # idle: until a request or a cancel arrives (or a short poll)
                     if not s["adds"] and not s["cancels"] and not s["stop"]:
                         s["lock"].wait(0.01)
-            responses = [self._response(out) for out in outputs]
+            responses = errors + [self._response(out) for out in outputs]
             if self._kv_events is not None:
                 self._kv_events.publish(core.take_kv_events())
             with s["lock"]:
@@ -261,6 +304,15 @@ class ExecutorDouble(SurfaceObject):
             kv_cache_stats=kv,
             inflight_batching_stats=ifb,
         )
+
+
+class GuidedDecodingParamsDouble(SurfaceObject):
+    """bindings.executor.GuidedDecodingParams: a guide is required for every type but JSON (its C++ constructor)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.guide_type.name != "JSON" and self.guide is None:
+            raise RuntimeError("The guide string must be provided unless using GuideType::kJSON.")
 
 
 class RequestDouble(SurfaceObject):

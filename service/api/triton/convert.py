@@ -3,7 +3,8 @@
 Sampling follows TensorRT-LLM's contract, so a Triton client gets what it would get from a real TensorRT-LLM
 server: greedy unless top_k > 1 or top_p > 0 is given (the C++ runtime's defaults are top_k = 0, top_p = 0),
 whatever the temperature; top_k = 1 or temperature = 0 is greedy; an end_id of -1 ignores the end token. The
-values themselves are checked by the same SamplingParams as llm.v1, with messages naming the Triton tensor.
+values themselves are checked by the same SamplingParams as llm.v1, with messages naming the Triton tensor. The
+guided-decoding inputs become the request's Constraint (guided.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from build_engine.triton_models.tables import COUNT_OUTPUTS, LOG_PROB_OUTPUTS, PERF_METRICS_OUTPUTS, ModelSpec
+from service.api.triton.guided import GUIDE, GUIDE_TYPE, guided_constraint
 from service.api.triton.tensors import scalar
 from service.backends.base import BackendInfo
 from service.errors import InvalidRequest
@@ -72,6 +74,16 @@ def _strings(model: ModelSpec, tensors: dict[str, np.ndarray], name: str) -> lis
         except UnicodeDecodeError:
             raise InvalidRequest(f"{name} is not valid UTF-8") from None
     return out
+
+
+def _one_string(model: ModelSpec, tensors: dict[str, np.ndarray], name: str) -> str | None:
+    """The single string of a [1, 1] BYTES input, or None when absent."""
+    if name not in tensors:
+        return None
+    values = _strings(model, tensors, name)
+    if len(values) != 1:
+        raise InvalidRequest(f"input '{name}' must hold one string, got {len(values)}")
+    return values[0]
 
 
 def _check_default_only(tensors: dict[str, np.ndarray]) -> None:
@@ -176,6 +188,9 @@ def to_call(
         raise InvalidRequest("Streaming is only supported in decoupled mode.")
     values = _sampling(model, tensors, max_tokens, info)
     values["stop"] = stops
+    values["constraint"] = guided_constraint(
+        _one_string(model, tensors, GUIDE_TYPE), _one_string(model, tensors, GUIDE)
+    )
     if stop_ids:
         values["stop_token_ids"] = tuple(dict.fromkeys((*values.get("stop_token_ids", ()), *stop_ids)))
     try:
