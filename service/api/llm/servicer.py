@@ -23,7 +23,7 @@ from service.api.status import unary_errors
 from service.api.validation import TextLimits
 from service.backends.base import Backend, BackendInfo
 from service.errors import DeadlineExceeded, InvalidRequest, ServerShutdown
-from service.request import GenerateRequest, RequestOutput
+from service.request import CONSTRAINT_FIELDS, GenerateRequest, RequestOutput
 from service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -201,4 +201,5 @@ def model_info(backend: Backend, max_concurrent_rpcs: int) -> llm_pb2.ModelInfo:
         max_text_bytes=TextLimits.for_model(backend.tokenizer, i.max_seq_len).max_text_bytes,
         max_concurrent_rpcs=max_concurrent_rpcs,
         not_reported=list(i.not_reported),
+        constraint_kinds=[CONSTRAINT_FIELDS[k] for k in i.constraint_kinds],
     )
