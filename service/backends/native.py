@@ -22,11 +22,11 @@ from collections.abc import AsyncIterator, Callable
 from service.backends.base import BackendInfo
 from service.backends.kv_events import KvEventLog
 from service.backends.runtime import BackendRuntime
+from service.backends.streams import RequestOutputCollector
 from service.config import AdmissionConfig, BackendConfig
 from service.engine.core import EngineCore
 from service.engine.grammar import SUPPORTED_KINDS
 from service.engine.roofline import measure_ceilings
-from service.backends.streams import RequestOutputCollector
 from service.request import GenerateRequest, RequestOutput
 from service.telemetry import BackendStats, Ceilings, Observer
 

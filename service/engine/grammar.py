@@ -25,7 +25,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import llguidance as llg
 import numpy as np
+from llguidance.gbnf_to_lark import gbnf_to_lark
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 
 from service.errors import InvalidRequest
 from service.request import CONSTRAINT_FIELDS, Constraint
@@ -45,8 +48,6 @@ def _refuse(kind: str, message: str) -> InvalidRequest:
 
 def grammar_of(c: Constraint) -> str:
     """The llguidance grammar text of a constraint (not yet validated)."""
-    import llguidance as llg  # noqa: PLC0415 (imported on the first constrained request only)
-
     options = {"whitespace_flexible": c.any_whitespace}
     if c.kind in ("json_schema", "json_object"):
         spec = c.spec if c.kind == "json_schema" else '{"type": "object"}'
@@ -65,8 +66,6 @@ def grammar_of(c: Constraint) -> str:
     if c.kind == "lark":
         return llg.LLMatcher.grammar_from_lark(c.spec)
     if c.kind == "gbnf":
-        from llguidance.gbnf_to_lark import gbnf_to_lark  # noqa: PLC0415
-
         try:
             return llg.LLMatcher.grammar_from_lark(gbnf_to_lark(c.spec))
         except Exception as exc:  # the converter raises its own errors (and asserts) on bad input
@@ -102,8 +101,6 @@ class GrammarCompiler:
         """The llguidance tokenizer (about 1 s to build: on the first constrained request, off the event loop)."""
         with self._lock:
             if self._tokenizer is None:
-                import llguidance as llg  # noqa: PLC0415
-
                 self._tokenizer = llg.LLTokenizer(
                     str(self.tokenizer_json), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
                 )
@@ -125,8 +122,6 @@ class GrammarCompiler:
         hit = self.cached(c)
         if hit is not None:
             return hit
-        import llguidance as llg  # noqa: PLC0415
-
         start = time.perf_counter()
         grammar = grammar_of(c)
         tokenizer = self.tokenizer
@@ -212,15 +207,11 @@ class MaskFiller:
     def start(self, states: list[tuple[int, GrammarState]]) -> Future[BatchMasks]:
         """Begin filling the masks of (sampler row, state) pairs; the states must not change until the result."""
         if self._pool is None:
-            import llguidance as llg  # noqa: PLC0415
-
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
             self._executor = llg.LLExecutor()
         return self._pool.submit(self._fill, states)
 
     def _fill(self, states: list[tuple[int, GrammarState]]) -> BatchMasks:
-        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par  # noqa: PLC0415
-
         start = time.perf_counter()
         bitmask = allocate_token_bitmask(len(states), self.vocab_size)
         fill_next_token_bitmask_par(self._executor, [(s.matcher, i) for i, (_, s) in enumerate(states)], bitmask)

@@ -131,14 +131,17 @@ class TrtllmServicer:
                         contextlib.aclosing(_until(outputs, aborted)) as steps,
                     ):
                         writes.on_stall = lambda: _spawn(outputs.aclose())
-                        async for out in steps:
-                            call.tokens += len(out.new_token_ids)
-                            if out.finished and out.finish_reason == "abort" and self.edge.cut:
-                                raise ServerShutdown("the server shut down before the request finished")
-                            for msg in reply.add(out):
-                                writes.pending()
-                                yield msg
-                                writes.sent()
+                        try:
+                            async for out in steps:
+                                call.tokens += len(out.new_token_ids)
+                                if out.finished and out.finish_reason == "abort" and self.edge.cut:
+                                    raise ServerShutdown("the server shut down before the request finished")
+                                for msg in reply.add(out):
+                                    writes.pending()
+                                    yield msg
+                                    writes.sent()
+                        except InvalidRequest as exc:  # a constraint that does not compile (before any output)
+                            raise InvalidRequest(convert.proto_names(str(exc))) from None
 
     @unary_errors
     async def Abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
