@@ -36,6 +36,9 @@ from service.request import CONSTRAINT_FIELDS, Constraint
 # the kinds this engine compiles (structural_tag is refused by name: see grammar_of)
 SUPPORTED_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf", "choice")
 GRAMMAR_CACHE_SIZE = 256
+# JSON with any whitespace: runs of at most this many whitespace characters between tokens (xgrammar's
+# max_whitespace_cnt; unbounded, a small model can emit newlines until max_tokens)
+MAX_JSON_WHITESPACE = 16
 
 
 def field_name(kind: str) -> str:
@@ -48,7 +51,9 @@ def _refuse(kind: str, message: str) -> InvalidRequest:
 
 def grammar_of(c: Constraint) -> str:
     """The llguidance grammar text of a constraint (not yet validated)."""
-    options = {"whitespace_flexible": c.any_whitespace}
+    options: dict = {"whitespace_flexible": c.any_whitespace}
+    if c.any_whitespace:
+        options["whitespace_pattern"] = rf"[\x20\x0A\x0D\x09]{{0,{MAX_JSON_WHITESPACE}}}"
     if c.kind in ("json_schema", "json_object"):
         spec = c.spec if c.kind == "json_schema" else '{"type": "object"}'
         try:
