@@ -228,7 +228,7 @@ def test_grammar_cache_is_bounded_and_keyed_by_text(smollm2_engine_dir: Path) ->
     )
     for i in range(4):
         core.grammars.compile(Constraint("regex", f"b{{{i + 1}}}"))
-    assert core.grammars.cached(Constraint("regex", "a+")) is None and len(core.grammars._cache) == 3
+    assert core.grammars.cached(Constraint("regex", "a+")) is None and len(core.grammars.keys()) == 3
 
 
 def test_eos_is_the_engines(core: EngineCore) -> None:

@@ -115,6 +115,11 @@ class GrammarCompiler:
     def key(c: Constraint) -> tuple:
         return (c.kind, c.spec, c.choices, c.any_whitespace)
 
+    def keys(self) -> list[tuple]:
+        """The cache's keys, least recently used first."""
+        with self._lock:
+            return list(self._cache)
+
     def cached(self, c: Constraint) -> CompiledGrammar | None:
         with self._lock:
             hit = self._cache.get(self.key(c))
