@@ -373,5 +373,5 @@ def test_bitmask_rows_unpack_to_the_vocabulary() -> None:
     bitmask = np.zeros((1, 2), dtype=np.int32)
     bitmask[0, 0] = 1 << 3
     bitmask[0, 1] = 1  # token 32
-    allowed = BatchMasks({5: 0}, bitmask, 0.0, 40).allowed(5)
+    allowed = BatchMasks.of({5: 0}, bitmask, 40).allowed(5)
     assert allowed.shape == (40,) and list(np.flatnonzero(allowed)) == [3, 32]

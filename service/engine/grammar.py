@@ -192,17 +192,25 @@ class GrammarState:
 
 @dataclass(slots=True)
 class BatchMasks:
-    """The allowed tokens of the constrained rows of one step."""
+    """The allowed tokens of the constrained rows of one step (unpacked in the worker thread too)."""
 
-    rows: dict[int, int]  # sampler row -> bitmask row
-    bitmask: np.ndarray  # [n, words] int32, bit t of a row: token t allowed
-    fill_ms: float  # time spent filling the masks (in the worker thread)
-    vocab_size: int
+    rows: dict[int, int]  # sampler row -> row of `table`
+    table: np.ndarray  # [n, vocab] bool: token t allowed
+    fill_ms: float  # time spent filling and unpacking the masks (in the worker thread)
+
+    @classmethod
+    def of(cls, rows: dict[int, int], bitmask: np.ndarray, vocab_size: int, fill_ms: float = 0.0) -> BatchMasks:
+        """From llguidance's bitmask [n, words] int32 (bit t of a row: token t allowed)."""
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        return cls(rows, bits.view(bool), fill_ms)
 
     def allowed(self, row: int) -> np.ndarray:
         """bool [vocab] for a sampler row."""
-        bits = np.unpackbits(self.bitmask[self.rows[row]].view(np.uint8), bitorder="little")
-        return bits[: self.vocab_size].astype(bool)
+        return self.table[self.rows[row]]
+
+    def allowed_rows(self, rows: list[int]) -> np.ndarray:
+        """bool [len(rows), vocab] for sampler rows."""
+        return self.table[[self.rows[r] for r in rows]]
 
 
 class MaskFiller:
@@ -225,8 +233,9 @@ class MaskFiller:
         start = time.perf_counter()
         bitmask = allocate_token_bitmask(len(states), self.vocab_size)
         fill_next_token_bitmask_par(self._executor, [(s.matcher, i) for i, (_, s) in enumerate(states)], bitmask)
-        rows = {row: i for i, (row, _) in enumerate(states)}
-        return BatchMasks(rows, bitmask, (time.perf_counter() - start) * 1e3, self.vocab_size)
+        masks = BatchMasks.of({row: i for i, (row, _) in enumerate(states)}, bitmask, self.vocab_size)
+        masks.fill_ms = (time.perf_counter() - start) * 1e3
+        return masks
 
     def close(self) -> None:
         if self._pool is not None:

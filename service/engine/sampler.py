@@ -112,6 +112,9 @@ class Masks(Protocol):
     def allowed(self, row: int) -> np.ndarray:
         """bool [V]: the tokens row `row` may take."""
 
+    def allowed_rows(self, rows: list[int]) -> np.ndarray:
+        """bool [len(rows), V]."""
+
 
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
@@ -123,11 +126,15 @@ class Sampler:
         tokens: list[int] = []
         logprobs: list[TokenLogprob | None] = []
         masked = masks.rows if masks is not None else {}
-        greedy_rows = [
-            i for i, r in enumerate(reqs) if r.sampling.greedy and not self._needs_edit(r) and i not in masked
-        ]
+        greedy = [i for i, r in enumerate(reqs) if r.sampling.greedy and not self._needs_edit(r)]
+        greedy_rows = [i for i in greedy if i not in masked]
         argmax = np.argmax(logits[greedy_rows], axis=-1) if greedy_rows else []  # vectorized common case
         fast = dict(zip(greedy_rows, (int(t) for t in argmax), strict=True))
+        greedy_masked = [i for i in greedy if i in masked]
+        if greedy_masked:  # constrained greedy rows: vectorized too
+            allowed = masks.allowed_rows(greedy_masked)
+            argmax = np.argmax(np.where(allowed, logits[greedy_masked], -np.inf), axis=-1)
+            fast.update(zip(greedy_masked, (int(t) for t in argmax), strict=True))
         for i, req in enumerate(reqs):
             row = logits[i]
             if i in fast:
