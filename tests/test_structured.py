@@ -299,6 +299,7 @@ def test_worker_door_guided_decoding() -> None:
     with pytest.raises(InvalidRequest, match=r"^guided_decoding\.guide: "):
         constraint(gd.GUIDE_TYPE_REGEX)
     assert worker_convert.proto_names("constraint.regex: bad").startswith("guided_decoding.guide: ")
+    assert worker_convert.proto_names("constraint: the x backend").startswith("guided_decoding: the x backend")
 
 
 # ---- over gRPC -------------------------------------------------------------------------------------------------
@@ -340,7 +341,7 @@ def test_over_grpc_valid_json_and_model_info(server: ServerThread) -> None:
         (llm_pb2.Constraint(regex="(unclosed"), "constraint.regex: "),
         (llm_pb2.Constraint(lark_grammar="start: nothing_here"), "constraint.lark_grammar: "),
         (llm_pb2.Constraint(gbnf_grammar="root ::= ("), "constraint.gbnf_grammar: "),
-        (llm_pb2.Constraint(structural_tag="{}"), "constraint.structural_tag: "),
+        (llm_pb2.Constraint(structural_tag="{}"), "constraint: the native backend does not support structural_tag"),
         (llm_pb2.Constraint(), "constraint: "),
     ],
 )

@@ -15,7 +15,7 @@ from pathlib import Path
 from build_engine.spec import EngineConfig, load_engine_config
 from service.config import NativeConfig
 from service.engine.block_pool import BlockPool
-from service.engine.grammar import GrammarCompiler, GrammarError, MaskFiller
+from service.engine.grammar import SUPPORTED_KINDS, GrammarCompiler, GrammarError, MaskFiller
 from service.engine.kv_cache_manager import KVCacheManager
 from service.engine.output_processor import OutputProcessor
 from service.engine.runners.base import ForwardBatch
@@ -25,7 +25,7 @@ from service.engine.scheduler import Scheduler
 from service.engine.scheduler_config import SchedulerConfig, kv_blocks_for_budget
 from service.engine.stats import StepCost
 from service.kv_events import AllBlocksCleared, KvEvent
-from service.limits import RequestLimits, check_request
+from service.limits import RequestLimits, check_constraint, check_request
 from service.request import GenerateRequest, Request, RequestOutput, RequestStatus
 from service.telemetry import BackendStats, StepStats
 from service.tokenizer import Tokenizer
@@ -106,6 +106,7 @@ class EngineCore:
     def check(self, gen: GenerateRequest) -> None:
         """Raise InvalidRequest if the request is malformed for this model or can never run (the one check)."""
         check_request(gen.prompt_token_ids, gen.sampling, self.limits)
+        check_constraint(gen.sampling, SUPPORTED_KINDS, "native")
 
     def compile(self, gen: GenerateRequest) -> None:
         """Compile the request's constraint, if any (InvalidRequest naming the field if it does not compile);

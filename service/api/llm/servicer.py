@@ -23,6 +23,7 @@ from service.api.status import unary_errors
 from service.api.validation import TextLimits
 from service.backends.base import Backend, BackendInfo
 from service.errors import DeadlineExceeded, InvalidRequest, ServerShutdown
+from service.limits import check_constraint
 from service.request import CONSTRAINT_FIELDS, GenerateRequest, RequestOutput
 from service.tokenizer import Tokenizer
 
@@ -81,6 +82,7 @@ class LLMServicer:
 
     async def _to_domain(self, req: llm_pb2.GenerateRequest, backend: Backend, peer: str) -> GenerateRequest:
         request_id, sampling = check_fields(req)  # cheap checks first
+        check_constraint(sampling, backend.info.constraint_kinds, backend.info.backend)
         salt = interceptors.cache_salt(convert.cache_salt(req))
         backend.check_capacity()  # do not tokenize what the queue would refuse anyway
         limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)

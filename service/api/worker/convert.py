@@ -193,6 +193,7 @@ _BACKEND_NAMES = (
     ("sampling.", "sampling_config."),
     ("output.logprobs", "output_config.logprobs"),
     ("cache_salt", "cache_salt_id"),
+    ("constraint: ", "guided_decoding: "),
     ("constraint.", "guided_decoding.guide: "),
 )
 
