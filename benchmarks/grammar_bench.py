@@ -15,6 +15,7 @@ Compile: each schema / regex / grammar of benchmarks/data (validate + matcher co
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -35,6 +36,7 @@ LONG_SCHEMA = {
     "additionalProperties": False,
 }
 PROMPT = "List as many fruits as you can, as JSON."
+_RUNS = itertools.count()
 
 
 def run_level(core: EngineCore, concurrency: int, constrained: bool, args: argparse.Namespace, tag: str) -> dict:
@@ -44,8 +46,9 @@ def run_level(core: EngineCore, concurrency: int, constrained: bool, args: argpa
                             json.dumps(LONG_SCHEMA)))  # fmt: skip
     else:
         sp = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    # a distinct first token per request: no prefix-cache sharing between the runs being compared
-    gens = [GenerateRequest(f"{tag}-{i}", [i + 100, *prompt], sp) for i in range(concurrency)]
+    # distinct first tokens per request and per run: no prefix-cache sharing between the runs being compared
+    first = 100 + 64 * next(_RUNS)
+    gens = [GenerateRequest(f"{tag}-{i}", [first + i, *prompt], sp) for i in range(concurrency)]
     mask_ms, wait_ms = [], []
     outs: dict[str, list] = {g.request_id: [] for g in gens}
     for g in gens:
@@ -99,7 +102,7 @@ def main() -> None:
     others = meter.stop().others
     compiled = compile_times(core)
     lines = [
-        "## Structured outputs (grammar_bench)",
+        "## Structured outputs: the cost of a constraint (`python -m benchmarks.grammar_bench`)",
         "",
         f"`python -m benchmarks.grammar_bench --engine {args.engine} --concurrency {joined(args.concurrency)} "
         f"--output-len {args.output_len} --rounds {args.rounds} --write`  ",
