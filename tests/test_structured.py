@@ -376,3 +376,62 @@ def test_bitmask_rows_unpack_to_the_vocabulary() -> None:
     bitmask[0, 1] = 1  # token 32
     allowed = BatchMasks.of({5: 0}, bitmask, 40).allowed(5)
     assert allowed.shape == (40,) and list(np.flatnonzero(allowed)) == [3, 32]
+
+
+def test_clients_send_the_constraint(tmp_path: Path) -> None:
+    from clients.common import build_request
+    from clients.loadtest.backends import LLMBackend, Sampling
+    from clients.loadtest.openai_http import request_body
+    from clients.loadtest.workload import WorkItem
+    from clients.stream import parse_args as stream_args
+
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object"}')
+    grammar = tmp_path / "g.lark"
+    grammar.write_text("start: /a+/")
+    for flags, field in (
+        (["--json-schema", str(schema)], "json_schema"),
+        (["--json-object"], "json_object"),
+        (["--regex", "[0-9]+"], "regex"),
+        (["--grammar", str(grammar)], "lark_grammar"),
+        (["--gbnf", str(grammar)], "gbnf_grammar"),
+        (["--choice", "yes", "no"], "choice"),
+    ):
+        req = build_request(stream_args(["hi", *flags]), "hi", False)
+        assert req.constraint.WhichOneof("kind") == field, flags
+    assert not build_request(stream_args(["hi"]), "hi", False).HasField("constraint")
+    item = WorkItem(prompt="hi", prompt_token_ids=None, input_tokens=1, max_tokens=8)
+    sampling = Sampling(ignore_eos=False, json_schema='{"type": "object"}')
+    assert LLMBackend.request(None, item, sampling).constraint.json_schema == '{"type": "object"}'  # type: ignore[arg-type]
+    body = request_body("chat", "m", item, sampling)
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "loadtest", "schema": {"type": "object"}},
+    }
+
+
+def test_offline_prompts_file_constraint(smollm2_engine_dir: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    schema = SCHEMAS[0]["schema"]
+    lines = [
+        {
+            "prompt": SCHEMAS[0]["prompt"],
+            "chat": True,
+            "max_tokens": 64,
+            "constraint": {"kind": "json_schema", "spec": schema},
+        },
+        {"prompt": "Pick one.", "chat": True, "constraint": {"kind": "choice", "choices": ["left", "right"]}},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    out = subprocess.run([sys.executable, "-m", "service.offline", "--engine", str(smollm2_engine_dir), "--prompts-file",
+                          str(path), "--json", "--skip-verify"], capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    results = [json.loads(line) for line in out.stdout.splitlines()]
+    jsonschema.validate(json.loads(results[0]["text"]), schema)
+    assert results[1]["text"] in ("left", "right")
+    path.write_text(json.dumps({"prompt": "x", "constraint": {"kind": "regex", "spec": "(bad"}}))
+    bad = subprocess.run([sys.executable, "-m", "service.offline", "--engine", str(smollm2_engine_dir), "--prompts-file",
+                          str(path), "--skip-verify"], check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and ":1: constraint.regex: " in bad.stderr, bad.stderr
