@@ -98,13 +98,14 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(eos_token_ids)
         self.cache_size = cache_size or GRAMMAR_CACHE_SIZE
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
-        self._lock = threading.Lock()  # the cache and the tokenizer
+        self._lock = threading.Lock()  # the cache
+        self._tokenizer_lock = threading.Lock()  # held while the tokenizer is built: cache hits never wait for it
         self._tokenizer = None
 
     @property
     def tokenizer(self):
         """The llguidance tokenizer (about 1 s to build: on the first constrained request, off the event loop)."""
-        with self._lock:
+        with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._tokenizer = llg.LLTokenizer(
                     str(self.tokenizer_json), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
