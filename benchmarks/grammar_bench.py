@@ -19,6 +19,7 @@ import itertools
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -49,24 +50,55 @@ def run_level(core: EngineCore, concurrency: int, constrained: bool, args: argpa
     # distinct first tokens per request and per run: no prefix-cache sharing between the runs being compared
     first = 100 + 64 * next(_RUNS)
     gens = [GenerateRequest(f"{tag}-{i}", [first + i, *prompt], sp) for i in range(concurrency)]
-    mask_ms, wait_ms = [], []
+    mask_ms, wait_ms, path_ms, step_ms = [], [], [], []
     outs: dict[str, list] = {g.request_id: [] for g in gens}
     for g in gens:
         core.add_request(g)
+    timed = _Timed(core)
     while core.has_unfinished_requests():
+        timed.ms = 0.0
         for out in core.step():
             outs[out.request_id].append(out)
         step = core.last_step
-        if step is not None and step.mask_ms:
+        if step is not None and step.num_decode_tokens == concurrency:  # decode steps of the whole batch
             mask_ms.append(step.mask_ms)
             wait_ms.append(step.mask_wait_ms)
+            path_ms.append(timed.ms + step.mask_wait_ms)
+            step_ms.append(step.step_ms)
+    timed.undo()
     lengths = {len([t for o in v for t in o.new_token_ids]) for v in outs.values()}
     assert lengths == {args.output_len}, f"outputs of {lengths} tokens, expected {args.output_len}"
     return {
         "tpot_ms": statistics.median(v[-1].timing.tpot_ms for v in outs.values()),
-        "mask_ms": statistics.median(mask_ms) if mask_ms else 0.0,
-        "mask_wait_ms": statistics.median(wait_ms) if wait_ms else 0.0,
+        "mask_ms": statistics.median(mask_ms),
+        "mask_wait_ms": statistics.median(wait_ms),
+        "path_ms": statistics.median(path_ms),
+        "step_ms": statistics.median(step_ms),
     }
+
+
+class _Timed:
+    """Times the sampler and the matchers' advance (with the wait for the masks: what a constraint adds to a
+    step's critical path; the mask fill itself runs beside the forward pass)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core, self.ms = core, 0.0
+        self._sample, self._advance = core.sampler.sample, core._advance_grammars
+        core.sampler.sample = self._wrap(self._sample)
+        core._advance_grammars = self._wrap(self._advance)
+
+    def _wrap(self, fn):
+        def timed(*a):
+            start = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                self.ms += (time.perf_counter() - start) * 1e3
+
+        return timed
+
+    def undo(self) -> None:
+        self.core.sampler.sample, self.core._advance_grammars = self._sample, self._advance
 
 
 def compile_times(core: EngineCore) -> list[tuple[str, float]]:
@@ -111,16 +143,22 @@ def main() -> None:
         f"{args.rounds} interleaved rounds (the rounds in brackets); other processes used {others:.1f} cores "
         "meanwhile.",
         "",
-        "| concurrency | TPOT free (ms) | TPOT JSON schema (ms) | ratio | mask fill per step (ms) | of it waited for (ms) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| concurrency | TPOT free (ms) | TPOT JSON schema (ms) | ratio | mask fill per step (ms) | of it waited for "
+        "(ms) | sampling + advance per step, free -> JSON (ms) | added to the critical path per step |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in args.concurrency:
         free, js = Rounds.of(results[(c, False)], "tpot_ms"), Rounds.of(results[(c, True)], "tpot_ms")
         mask = Rounds.of(results[(c, True)], "mask_ms")
         wait = Rounds.of(results[(c, True)], "mask_wait_ms")
+        path_free, path_js = Rounds.of(results[(c, False)], "path_ms"), Rounds.of(results[(c, True)], "path_ms")
+        step = Rounds.of(results[(c, False)], "step_ms")
+        added = path_js.median - path_free.median
         lines.append(
             f"| {c} | {free.median:.2f} [{free.spread(2)}] | {js.median:.2f} [{js.spread(2)}] | "
-            f"{js.median / free.median:.3f}x | {mask.median:.3f} | {wait.median:.3f} |"
+            f"{js.median / free.median:.3f}x | {mask.median:.3f} | {wait.median:.3f} | "
+            f"{path_free.median:.3f} -> {path_js.median:.3f} | {added:.3f} ms = {added / step.median:.1%} of a "
+            f"{step.median:.1f} ms step |"
         )
     times = [ms for _, ms in compiled]
     lines += [

@@ -356,6 +356,31 @@ def test_bad_constraint_is_invalid_argument_naming_the_field(
 
 
 @pytest.mark.server
+def test_a_new_constraint_compiles_off_the_event_loop(server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    grammars, real = server.core.grammars, server.core.grammars.compile
+    threads = []
+
+    def compile_(c: Constraint):
+        threads.append(threading.current_thread())
+        return real(c)
+
+    monkeypatch.setattr(grammars, "compile", compile_)
+    _, complete = generate(server.stub(), _request(llm_pb2.Constraint(regex="(hello|hi) there"), max_tokens=16))
+    assert complete.finish_reason == llm_pb2.FINISH_REASON_STOP
+    loop_thread = server.run(_current_thread())
+    assert threads and loop_thread not in threads
+    assert server.idle()
+
+
+async def _current_thread():
+    import threading
+
+    return threading.current_thread()
+
+
+@pytest.mark.server
 def test_cancelled_constrained_requests_return_their_kv_blocks(server: ServerThread) -> None:
     stub = server.stub()
     schema = json.dumps({"type": "array", "items": {"type": "string"}})  # long: still running when cancelled

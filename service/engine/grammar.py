@@ -218,8 +218,9 @@ class MaskFiller:
     """Fills the batch's bitmasks in a worker thread while the forward pass runs (llguidance's LLExecutor
     spreads the matchers over its own threads and drops the GIL)."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, overlap: bool = True) -> None:
         self.vocab_size = vocab_size
+        self.overlap = overlap  # False: fill in the calling thread, before the forward pass (for comparison)
         self._pool: ThreadPoolExecutor | None = None
         self._executor = None
 
@@ -228,7 +229,11 @@ class MaskFiller:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
             self._executor = llg.LLExecutor()
-        return self._pool.submit(self._fill, states)
+        if self.overlap:
+            return self._pool.submit(self._fill, states)
+        done: Future[BatchMasks] = Future()
+        done.set_result(self._fill(states))
+        return done
 
     def _fill(self, states: list[tuple[int, GrammarState]]) -> BatchMasks:
         start = time.perf_counter()
