@@ -243,6 +243,18 @@ def test_eos_is_the_engines(core: EngineCore) -> None:
     assert state.matcher.is_stopped()
 
 
+def test_rollback_leaves_room_for_draft_tokens(core: EngineCore) -> None:
+    """Several tokens per step: consume a draft, roll back the rejected part, continue from there."""
+    state = core.grammars.state(Constraint("regex", "(abc|abd)[0-9]"))
+    ids = {ch: core.tokenizer.encode(ch) for ch in "abcd7"}
+    assert all(len(v) == 1 for v in ids.values())
+    state.consume([ids["a"][0], ids["b"][0], ids["c"][0]])  # a draft of three tokens, the last one rejected
+    state.rollback(1)
+    assert state.num_consumed == 2
+    state.consume([ids["d"][0], ids["7"][0]])
+    assert state.is_accepting
+
+
 # ---- no model: grammar text and the doors' mappings ---------------------------------------------------------------
 def test_choice_literals_are_escaped() -> None:
     g = grammar_of(Constraint("choice", choices=('say "hi"', "back\\slash", "new\nline")))
