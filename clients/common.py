@@ -86,6 +86,38 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-id", default="", help="id echoed in the final message and logs (default: made up)")
 
 
+def add_constraint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("structured output (at most one; docs/api.md#structured-outputs)")
+    kind = g.add_mutually_exclusive_group()
+    kind.add_argument("--json-schema", metavar="FILE", help="the output is JSON valid against this JSON schema file")
+    kind.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    kind.add_argument("--regex", help="the output matches this regular expression")
+    kind.add_argument("--grammar", metavar="FILE", help="the output matches this Lark grammar (start rule `start`)")
+    kind.add_argument("--gbnf", metavar="FILE", help="the output matches this GBNF grammar (start rule `root`)")
+    kind.add_argument("--choice", nargs="+", metavar="TEXT", help="the output is exactly one of these strings")
+    g.add_argument("--no-any-whitespace", action="store_true", help="JSON without free whitespace")
+
+
+def constraint_of(args: argparse.Namespace) -> llm_pb2.Constraint | None:
+    """The Constraint the flags of add_constraint_args ask for (None: free text); files are read here."""
+    c = llm_pb2.Constraint(disable_any_whitespace=args.no_any_whitespace)
+    if args.json_schema:
+        c.json_schema = Path(args.json_schema).read_text()
+    elif args.json_object:
+        c.json_object = True
+    elif args.regex is not None:
+        c.regex = args.regex
+    elif args.grammar:
+        c.lark_grammar = Path(args.grammar).read_text()
+    elif args.gbnf:
+        c.gbnf_grammar = Path(args.gbnf).read_text()
+    elif args.choice:
+        c.choice.choices.extend(args.choice)
+    else:
+        return None
+    return c
+
+
 def build_request(args: argparse.Namespace, prompt: str, chat: bool) -> llm_pb2.GenerateRequest:
     """Exactly what the flags say; the client does not second-guess the server's validation."""
     req = llm_pb2.GenerateRequest(request_id=args.request_id, priority=args.priority)
@@ -114,4 +146,7 @@ def build_request(args: argparse.Namespace, prompt: str, chat: bool) -> llm_pb2.
     req.stopping.ignore_eos = args.ignore_eos
     if args.logprobs is not None:
         req.output.logprobs = args.logprobs
+    constraint = constraint_of(args) if hasattr(args, "json_schema") else None
+    if constraint is not None:
+        req.constraint.CopyFrom(constraint)
     return req

@@ -19,6 +19,7 @@ from google.protobuf.json_format import MessageToDict
 from clients.common import (
     HelpFormatter,
     add_connection_args,
+    add_constraint_args,
     add_sampling_args,
     build_request,
     call_metadata,
@@ -39,11 +40,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="one JSON object per chunk, then a final summary object")
     p.add_argument("--deadline", type=float, help="seconds before the call is abandoned (DEADLINE_EXCEEDED)")
     add_sampling_args(p)
+    add_constraint_args(p)
     return p.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> int:
-    request = build_request(args, args.prompt, args.chat)
+    try:
+        request = build_request(args, args.prompt, args.chat)
+    except OSError as exc:  # a --json-schema / --grammar / --gbnf file that cannot be read
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     with open_channel(args) as channel:
         stub = llm_pb2_grpc.LLMServiceStub(channel)
         start = time.perf_counter()

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from service.errors import InvalidRequest
-from service.request import SamplingParams
+from service.request import CONSTRAINT_FIELDS, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +52,15 @@ def check_request(prompt_token_ids: Sequence[int], sampling: SamplingParams, lim
                 f"prompt + max_tokens needs {blocks} KV blocks, more than the whole KV cache "
                 f"({limits.num_kv_blocks} blocks)"
             )
+
+
+def check_constraint(sampling: SamplingParams, kinds: Sequence[str], backend: str) -> None:
+    """Raise InvalidRequest if the request's constraint is of a kind the backend cannot apply (`kinds`: its
+    BackendInfo.constraint_kinds): a constraint is never silently dropped."""
+    c = sampling.constraint
+    if c is not None and c.kind not in kinds:
+        supported = ", ".join(CONSTRAINT_FIELDS[k] for k in kinds) or "none"
+        raise InvalidRequest(
+            f"constraint: the {backend} backend does not support {CONSTRAINT_FIELDS[c.kind]} constraints "
+            f"(supported: {supported})"
+        )

@@ -17,7 +17,7 @@ from build_engine.spec import EngineFormatError
 from build_engine.verify import verify_engine
 from service.engine.core import DEFAULT_KV_CACHE_MEMORY, EngineCore
 from service.errors import InvalidRequest
-from service.request import GenerateRequest, RequestOutput, SamplingParams
+from service.request import Constraint, GenerateRequest, RequestOutput, SamplingParams
 from service.tokenizer import ChatTemplateError, Tokenizer
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -35,7 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument(
         "--prompts-file",
         help='JSONL, one request per line: {"prompt": "..."} or {"messages": [...]}, plus optional sampling fields '
-        "(max_tokens, temperature, top_p, seed, stop, ...); all run concurrently through the scheduler",
+        '(max_tokens, temperature, top_p, seed, stop, ...; constraint: {"kind": "json_schema", "spec": '
+        '{...}}, kinds json_schema, json_object, regex, lark, gbnf, choice with "choices": [...], and '
+        '"any_whitespace": false); all run concurrently through the scheduler',
     )
     p.add_argument("--chat", action="store_true", help="render the prompt as a user message with the chat template")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
@@ -100,11 +102,31 @@ def _spec_request(spec: Any, index: int, defaults: dict[str, Any], tokenizer: To
             if not isinstance(fields[key], list):
                 raise ValueError(f'"{key}" must be a list')
             fields[key] = tuple(fields[key])
+    if "constraint" in fields:
+        fields["constraint"] = _constraint(fields["constraint"])
     try:
         sampling = SamplingParams(**fields)
     except TypeError as exc:  # e.g. a string where a number belongs
         raise ValueError(f"a sampling field has the wrong type ({exc})") from None
     return GenerateRequest(str(spec.get("id", index)), _encode(tokenizer, spec, chat), sampling)
+
+
+CONSTRAINT_KEYS = {"kind", "spec", "choices", "any_whitespace"}
+
+
+def _constraint(spec: Any) -> Constraint:
+    """A prompts-file line's "constraint" object -> Constraint (a json_schema's spec may be the schema itself)."""
+    if not isinstance(spec, dict) or not set(spec) <= CONSTRAINT_KEYS or "kind" not in spec:
+        raise ValueError(
+            f'"constraint" must be an object with "kind" and optionally {sorted(CONSTRAINT_KEYS - {"kind"})}'
+        )
+    text = spec.get("spec", "")
+    if not isinstance(text, str):
+        text = json.dumps(text)  # a schema given as JSON
+    choices = spec.get("choices", [])
+    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+        raise ValueError('"constraint.choices" must be a list of strings')
+    return Constraint(spec["kind"], text, tuple(choices), bool(spec.get("any_whitespace", True)))
 
 
 def _requests(args: argparse.Namespace, engine: EngineCore) -> list[GenerateRequest]:
@@ -131,6 +153,7 @@ def _requests(args: argparse.Namespace, engine: EngineCore) -> list[GenerateRequ
             try:
                 gen = _spec_request(json.loads(line), len(gens), defaults, tokenizer, args.chat)
                 engine.check(gen)
+                engine.compile(gen)
                 if gen.request_id in ids:
                     raise ValueError(f"id {gen.request_id!r} is used twice")
             except (ValueError, ChatTemplateError) as exc:  # json, InvalidRequest and our own errors

@@ -20,6 +20,8 @@ MAX_SEED = 2**63 - 1
 MAX_CONSTRAINT_CHARS = 1 << 18  # a schema's or grammar's text (compiling it is bounded by this too)
 MAX_CHOICES = 256
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf", "choice", "structural_tag")
+# a kind as llm.v1's Constraint message names its field (messages about a constraint name that field)
+CONSTRAINT_FIELDS = {k: {"lark": "lark_grammar", "gbnf": "gbnf_grammar"}.get(k, k) for k in CONSTRAINT_KINDS}
 
 
 class RequestStatus(enum.IntEnum):
@@ -148,6 +150,10 @@ class SamplingParams:
             len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
             f"stop_token_ids allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
         )
+        _check(
+            not (self.ignore_eos and self.constraint is not None),
+            "ignore_eos cannot be combined with a constraint: the grammar decides where the output ends",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -247,6 +253,7 @@ class Request:
         "finish_reason",
         "finish_time",
         "first_scheduled_time",
+        "grammar",
         "num_bypassed",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -292,6 +299,7 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.text: TextStream | None = None  # the request's text and stop strings (set by the output processor)
+        self.grammar: object | None = None  # the constrained request's matcher (service/engine/grammar.py)
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,8 @@ class StepStats:
     num_waiting: int
     kv_blocks_used: int
     num_preempted: int  # preemptions during this step's scheduling
+    mask_ms: float = 0.0  # time to fill the constrained rows' grammar masks (in a worker thread, beside the forward)
+    mask_wait_ms: float = 0.0  # of which the step waited for after its forward pass (0 without constraints)
 
     @property
     def gflops_per_s(self) -> float:

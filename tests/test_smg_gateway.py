@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hashlib
 import io
+import json
 import re
 import shutil
 import subprocess
@@ -136,6 +137,46 @@ def test_chat_through_smg_matches_llm_v1(worker: ServerThread, gateway: str, str
         text = client.chat.completions.create(**args).choices[0].message.content
     chat = llm_pb2.ChatMessages(messages=[llm_pb2.ChatMessage(role="user", content=QUESTION)])
     assert text and text == _llm_v1(worker, messages=chat)
+    assert worker.idle()
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMATS = {
+    "json_schema": ({"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}, PERSON),
+    "json_object": ({"type": "json_object"}, {"type": "object"}),  # smg sends it as the schema {"type": "object"}
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kind", sorted(RESPONSE_FORMATS))
+def test_response_format_through_smg_is_valid_json(gateway: str, worker: ServerThread, kind: str, stream: bool) -> None:
+    """OpenAI's response_format -> smg -> the worker door's guided_decoding -> the native engine's constraint."""
+    jsonschema = pytest.importorskip("jsonschema")
+    response_format, schema = RESPONSE_FORMATS[kind]
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="none")
+    args = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": "Describe a person (name and age) as JSON."}],
+        "max_tokens": 128,
+        "temperature": 0,
+        "response_format": response_format,
+    }
+    if stream:
+        parts = list(client.chat.completions.create(stream=True, **args))
+        text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+        finish = next(c.choices[0].finish_reason for c in reversed(parts) if c.choices and c.choices[0].finish_reason)
+    else:
+        choice = client.chat.completions.create(**args).choices[0]
+        text, finish = choice.message.content, choice.finish_reason
+    assert finish == "stop", text
+    jsonschema.validate(json.loads(text), schema)
+    compiled = [json.loads(key[1]) for key in worker.core.grammars.keys() if key[0] == "json_schema"]
+    assert schema in compiled  # the worker got the constraint (the text did not just happen to be JSON)
     assert worker.idle()
 
 

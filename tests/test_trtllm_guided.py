@@ -148,8 +148,9 @@ def test_the_constraint_reaches_the_engine_under_the_double(double, backend: Trt
     async def go() -> list:
         backend.start(lambda healthy: None, lambda reason: None)
         outs = []
-        for constraint, _, _ in CASES.values():
-            sampling = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, constraint=constraint)
+        # structural_tag is left out: the native engine standing in for TensorRT-LLM refuses it (docs/structured.md)
+        for constraint, _, _ in (v for k, v in CASES.items() if k != "structural_tag"):
+            sampling = SamplingParams(max_tokens=3, temperature=0, constraint=constraint)
             outs.append([o async for o in backend.generate(GenerateRequest("c", [5, 6], sampling))])
         await backend.shutdown(2)
         return outs
@@ -162,7 +163,6 @@ def test_the_constraint_reaches_the_engine_under_the_double(double, backend: Trt
         Constraint("regex", r"\d{3}-[a-z]+"),
         Constraint("gbnf", 'root ::= "a" [0-9]+'),
         Constraint("gbnf", 'root ::= "yes" | "no"'),  # a choice arrives as its grammar
-        Constraint("structural_tag", '{"type": "structural_tag"}'),
     ]
 
 

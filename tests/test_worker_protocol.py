@@ -131,6 +131,7 @@ HONOURED_VALUES = {
     "stop_token_ids": [3],
     "ignore_eos": False,
     "include_stop_token_in_output": True,
+    "guided_decoding": pb.GuidedDecodingParams(guide_type=pb.GuidedDecodingParams.GUIDE_TYPE_REGEX, guide="[a-z ]+"),
 }
 
 _SAMPLE = {
@@ -148,7 +149,10 @@ def _set(req: Message, path: str, fd: FieldDescriptor, value: object = None) -> 
     for p in parents:
         msg = getattr(msg, p)
     if fd.type == FieldDescriptor.TYPE_MESSAGE:
-        getattr(msg, name).SetInParent()
+        if value is None:
+            getattr(msg, name).SetInParent()
+        else:
+            getattr(msg, name).CopyFrom(value)
         return
     value = _SAMPLE.get(fd.type, 1) if value is None else value
     if fd.is_repeated:
@@ -167,15 +171,20 @@ def test_every_field_is_in_one_table() -> None:
 
 
 # honoured by the protocol, refused by a backend that cannot do it (by name, as its own checks say)
-BACKEND_REFUSES = {"native": set(), "trtllm": {"sampling_config.min_p", "output_config.logprobs"}}
+BACKEND_REFUSES = {
+    "native": set(),
+    "trtllm": {"sampling_config.min_p", "output_config.logprobs"},
+}
 
 
 @pytest.mark.parametrize("path", [p for p, _ in FIELDS])
 def test_each_field_honoured_or_refused_by_name(server: ServerThread, backend: str, path: str) -> None:
     fd = dict(FIELDS)[path]
     req = _req(max_tokens=4)
+    if path == "guided_decoding":
+        req.ignore_eos = False  # refused with a constraint: the grammar decides where the output ends
     if path in convert.REFUSED or path in BACKEND_REFUSES[backend]:
-        _set(req, path, fd)
+        _set(req, path, fd, HONOURED_VALUES.get(path) if path in BACKEND_REFUSES[backend] else None)
         code, details = _code(_stub(server), req)
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (path, code, details)
         assert details.startswith((path + " ", path + ":")), details

@@ -73,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--output-len-range", type=_range, help="MIN:MAX, output lengths drawn uniformly")
     w.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens tokens")
     w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        type=Path,
+        help="every request's output must match this JSON schema (llm: GenerateRequest.constraint; openai: "
+        "response_format json_schema)",
+    )
     w.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrival process")
     w.add_argument(
         "--tokenizer",
@@ -96,6 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.model is None and args.protocol == "triton":
         args.model = "ensemble"
+    if args.json_schema is not None:
+        if args.protocol not in ("llm", "openai"):
+            p.error("--json-schema needs --protocol llm or openai")
+        if args.ignore_eos:
+            p.error("--json-schema cannot be combined with --ignore-eos: the schema decides where an output ends")
     return args
 
 
@@ -171,7 +183,8 @@ def make_backend(args: argparse.Namespace) -> Backend:
 async def run_sweep(args: argparse.Namespace, console: Console) -> list[dict]:
     rng = np.random.default_rng(args.seed)
     tok = tokenizer_fns(args)
-    sampling = Sampling(temperature=args.temperature, ignore_eos=args.ignore_eos)
+    schema = args.json_schema.read_text() if args.json_schema is not None else None
+    sampling = Sampling(temperature=args.temperature, ignore_eos=args.ignore_eos, json_schema=schema)
     levels = [("concurrency", int(c)) for c in (args.concurrency or "1").split(",")]
     if args.request_rate:
         levels = [("request_rate", float(r)) for r in args.request_rate.split(",")]

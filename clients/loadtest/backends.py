@@ -22,6 +22,7 @@ class Sampling:
     temperature: float = 0.0
     ignore_eos: bool = True
     seed: int | None = None
+    json_schema: str | None = None  # a JSON schema (text) every request's output must match
 
 
 class Backend(Protocol):
@@ -57,6 +58,8 @@ class LLMBackend:
             req.sampling.seed = sampling.seed
         req.stopping.max_tokens = item.max_tokens
         req.stopping.ignore_eos = sampling.ignore_eos
+        if sampling.json_schema is not None:
+            req.constraint.json_schema = sampling.json_schema
         return req
 
     async def send(self, item: WorkItem, sampling: Sampling, rec: RequestRecord) -> None:

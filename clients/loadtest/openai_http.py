@@ -19,6 +19,7 @@ request, so TTFT includes connecting (and the TLS handshake); urllib for GET /v1
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -69,6 +70,9 @@ def request_body(api: str, model: str, item: WorkItem, sampling: Sampling) -> di
         body["ignore_eos"] = True
     if sampling.seed is not None:
         body["seed"] = sampling.seed
+    if sampling.json_schema is not None:
+        schema = {"name": "loadtest", "schema": json.loads(sampling.json_schema)}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
     return body
 
 

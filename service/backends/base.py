@@ -47,6 +47,7 @@ class BackendInfo:
     num_key_value_heads: int
     engine_format_version: int
     not_reported: tuple[str, ...] = ()  # what this backend cannot report (GetModelInfo says so)
+    constraint_kinds: tuple[str, ...] = ()  # the Constraint kinds it compiles (service/request.py's names)
 
     @classmethod
     def of_engine(cls, config: spec.EngineConfig, backend: str, **limits: object) -> BackendInfo:

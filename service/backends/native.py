@@ -13,6 +13,7 @@ core in another process could replace the thread behind the same Backend).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -21,8 +22,10 @@ from collections.abc import AsyncIterator, Callable
 from service.backends.base import BackendInfo
 from service.backends.kv_events import KvEventLog
 from service.backends.runtime import BackendRuntime
+from service.backends.streams import RequestOutputCollector
 from service.config import AdmissionConfig, BackendConfig
 from service.engine.core import EngineCore
+from service.engine.grammar import SUPPORTED_KINDS
 from service.engine.roofline import measure_ceilings
 from service.request import GenerateRequest, RequestOutput
 from service.telemetry import BackendStats, Ceilings, Observer
@@ -109,10 +112,31 @@ class NativeBackend(BackendRuntime):
         self.check_queue()
         req_id = str(next(self._ids))
         collector = self.streams.open(req_id, on_done)
-        with self._lock:
-            self._adds.append((req_id, gen, self.core.clock()))
-        self._wake.set()
+        arrival = self.core.clock()
+        constraint = gen.sampling.constraint
+        if constraint is not None and self.core.grammars.cached(constraint) is None:
+            return self._compile_then_stream(gen, req_id, collector, arrival)
+        self._submit(gen, req_id, arrival)
         return self.streams.stream(req_id, collector, self.abort)
+
+    def _submit(self, gen: GenerateRequest, req_id: str, arrival: float) -> None:
+        with self._lock:
+            self._adds.append((req_id, gen, arrival))
+        self._wake.set()
+
+    async def _compile_then_stream(
+        self, gen: GenerateRequest, req_id: str, collector: RequestOutputCollector, arrival: float
+    ) -> AsyncIterator[RequestOutput]:
+        """A constraint not compiled yet: compile it in a thread (milliseconds to a second: never on the event
+        loop), then queue the request; a grammar that does not compile is InvalidRequest on the first read."""
+        try:
+            await asyncio.to_thread(self.core.compile, gen)
+        except BaseException:
+            self.streams.close(req_id, collector)
+            raise
+        self._submit(gen, req_id, arrival)
+        async for out in self.streams.stream(req_id, collector, self.abort):
+            yield out
 
     def abort(self, req_id: str) -> None:
         """Abort a request (by its engine id) in any state; safe to call repeatedly or for unknown ids."""
@@ -218,4 +242,5 @@ def _info(core: EngineCore, max_queue: int) -> BackendInfo:
         weight_format=cfg.weight_format,
         prefix_caching=sched.enable_prefix_caching,
         max_queue=max_queue,
+        constraint_kinds=SUPPORTED_KINDS,
     )

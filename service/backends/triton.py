@@ -47,6 +47,7 @@ from service.backends.base import BackendInfo
 from service.backends.remote import EndIds, RemoteRequest
 from service.backends.runtime import BackendRuntime
 from service.backends.triton_io import (
+    CONSTRAINT_KINDS,
     channel_args,
     end_requests,
     ensemble_inputs,
@@ -174,6 +175,7 @@ class TritonBackend(BackendRuntime):
             max_num_tokens=c.limits.max_num_tokens,
             kv_block_size=c.limits.kv_block_size,
             num_kv_blocks=0,  # the Triton server's own: not visible over KServe v2
+            constraint_kinds=CONSTRAINT_KINDS,
             dtype=c.limits.dtype,
             weight_format=c.limits.dtype,
             prefix_caching=remote.parameters["enable_kv_cache_reuse"].string_value.lower() == "true"

@@ -20,6 +20,8 @@ PERF = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "la
 # GuidedDecodingParams.GuideType member -> the models' guided_decoding_guide_type value: the C++ backend's map
 # (inflight_batcher_llm/src/utils.cc getGuidedDecodingParamsFromTensors), which has no structural_tag
 GUIDE_TYPE_VALUES = {"JSON": "json", "JSON_SCHEMA": "json_schema", "REGEX": "regex", "EBNF_GRAMMAR": "ebnf_grammar"}
+# the Constraint kinds that reach a Triton server (BackendInfo.constraint_kinds): xgrammar's, less structural_tag
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "gbnf", "choice")
 
 
 def channel_args(cfg: TritonConfig) -> list[tuple[str, int]]:

@@ -208,6 +208,7 @@ class TrtllmBackend(BackendRuntime):
             max_num_tokens=self.cfg.max_num_tokens or c.limits.max_num_tokens,
             kv_block_size=c.limits.kv_block_size,
             num_kv_blocks=0,  # known once the executor reports its iteration stats
+            constraint_kinds=guided.SUPPORTED_KINDS,
             dtype=s.get("dtype", c.limits.dtype),
             weight_format=_weight_format(s.get("dtype", c.limits.dtype), s.get("weight_only", "none")),
             prefix_caching=self.cfg.prefix_caching,

@@ -15,6 +15,7 @@ from pathlib import Path
 from build_engine.spec import EngineConfig, load_engine_config
 from service.config import NativeConfig
 from service.engine.block_pool import BlockPool
+from service.engine.grammar import SUPPORTED_KINDS, GrammarCompiler, GrammarError, MaskFiller
 from service.engine.kv_cache_manager import KVCacheManager
 from service.engine.output_processor import OutputProcessor
 from service.engine.runners.base import ForwardBatch
@@ -24,7 +25,7 @@ from service.engine.scheduler import Scheduler
 from service.engine.scheduler_config import SchedulerConfig, kv_blocks_for_budget
 from service.engine.stats import StepCost
 from service.kv_events import AllBlocksCleared, KvEvent
-from service.limits import RequestLimits, check_request
+from service.limits import RequestLimits, check_constraint, check_request
 from service.request import GenerateRequest, Request, RequestOutput, RequestStatus
 from service.telemetry import BackendStats, StepStats
 from service.tokenizer import Tokenizer
@@ -74,6 +75,9 @@ class EngineCore:
         self.reset()
         self.cost = StepCost(self.config.arch, self.runner.weight_bytes)
         self.eos_token_ids = frozenset(self.config.tokenizer.eos_token_ids)
+        vocab = self.config.arch.vocab_size
+        self.grammars = GrammarCompiler(self.engine_dir / "tokenizer.json", vocab, self.eos_token_ids)
+        self.masks = MaskFiller(vocab)
         sc = self.sched_cfg
         self.limits = RequestLimits(self.config.arch.vocab_size, sc.max_seq_len, sc.block_size, sc.num_kv_blocks)
         self._steps = itertools.count()
@@ -102,10 +106,19 @@ class EngineCore:
     def check(self, gen: GenerateRequest) -> None:
         """Raise InvalidRequest if the request is malformed for this model or can never run (the one check)."""
         check_request(gen.prompt_token_ids, gen.sampling, self.limits)
+        check_constraint(gen.sampling, SUPPORTED_KINDS, "native")
+
+    def compile(self, gen: GenerateRequest) -> None:
+        """Compile the request's constraint, if any (InvalidRequest naming the field if it does not compile);
+        cached, so enqueue finds it. Slow the first time (milliseconds to seconds): NativeBackend runs it off
+        the event loop."""
+        if gen.sampling.constraint is not None:
+            self.grammars.compile(gen.sampling.constraint)
 
     def add_request(self, gen: GenerateRequest, arrival_time: float | None = None) -> Request:
         """Check and queue a request under its own id (offline use; NativeBackend checks, then enqueues)."""
         self.check(gen)
+        self.compile(gen)
         return self.enqueue(gen, gen.request_id, arrival_time)
 
     def enqueue(self, gen: GenerateRequest, req_id: str, arrival_time: float | None = None) -> Request:
@@ -119,6 +132,8 @@ class EngineCore:
             eos_token_ids=self.eos_token_ids,
             cache_salt=gen.cache_salt,
         )
+        if gen.sampling.constraint is not None:
+            req.grammar = self.grammars.state(gen.sampling.constraint)
         self.scheduler.add_request(req)
         self.outputs.add(req)
         return req
@@ -151,23 +166,51 @@ class EngineCore:
         self.last_newly_scheduled = sched.newly_scheduled_req_ids
         if sched.is_empty:
             return []
+        reqs = [self.scheduler.requests[s.req_id] for s in sched.scheduled if s.sample]
+        constrained = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
+        pending = self.masks.start(constrained) if constrained else None  # filled while the forward pass runs
         forward_start = time.perf_counter()
         logits = self.runner.execute(ForwardBatch.from_scheduler_output(sched, self.sched_cfg.block_size))
         forward_ms = (time.perf_counter() - forward_start) * 1e3
-        reqs = [self.scheduler.requests[s.req_id] for s in sched.scheduled if s.sample]
-        sampled = self.sampler.sample(logits, reqs)
+        masks, mask_ms, mask_wait_ms = None, 0.0, 0.0
+        if pending is not None:
+            wait_start = time.perf_counter()
+            masks = pending.result()
+            mask_ms, mask_wait_ms = masks.fill_ms, (time.perf_counter() - wait_start) * 1e3
+        sampled = self.sampler.sample(logits, reqs, masks)
         tokens = {r.request_id: [t] for r, t in zip(reqs, sampled.token_ids, strict=True)}
         logprobs = {r.request_id: lp for r, lp in zip(reqs, sampled.logprobs, strict=True)}
+        refused = self._advance_grammars(reqs, sampled.token_ids) if constrained else {}
         outputs = []
         for req, num_new in self.scheduler.update_from_output(sched, tokens):  # every stop decided there
             logprob = logprobs[req.request_id]
             outputs.append(self.outputs.output(req, num_new, [logprob] if logprob is not None else None))
             if req.is_finished:
                 self.scheduler.release(req)
-        self._record(sched, start, forward_ms, len(reqs), self.scheduler.num_preemptions - preempted_before)
+        for out in self.abort(list(refused), RequestStatus.FINISHED_ERROR):
+            out.error = refused[out.request_id]
+            outputs.append(out)
+        preempted = self.scheduler.num_preemptions - preempted_before
+        self._record(sched, start, forward_ms, len(reqs), preempted, (mask_ms, mask_wait_ms))
         return outputs
 
-    def _record(self, sched, start: float, forward_ms: float, num_sampled: int, num_preempted: int) -> None:
+    @staticmethod
+    def _advance_grammars(reqs: list[Request], token_ids: list[int]) -> dict[str, str]:
+        """Advance each constrained request's matcher past its new token; the ids it refused (never, as the mask
+        is applied; a bug otherwise: that request fails alone) -> why."""
+        refused = {}
+        for req, token in zip(reqs, token_ids, strict=True):
+            if req.grammar is not None:
+                try:
+                    req.grammar.consume([token])
+                except GrammarError as exc:
+                    logger.error("request %s: %s", req.request_id, exc)
+                    refused[req.request_id] = "the output left its constraint's grammar"
+        return refused
+
+    def _record(
+        self, sched, start: float, forward_ms: float, num_sampled: int, num_preempted: int, mask: tuple[float, float]
+    ) -> None:
         flops, moved = self.cost.of(sched)
         self.last_step = StepStats(
             step=next(self._steps),
@@ -183,6 +226,8 @@ class EngineCore:
             num_waiting=self.scheduler.num_waiting,
             kv_blocks_used=self.kv.pool.num_used_blocks,
             num_preempted=num_preempted,
+            mask_ms=mask[0],
+            mask_wait_ms=mask[1],
         )
 
     def fail_all(self, message: str) -> list[RequestOutput]:

@@ -1,7 +1,9 @@
 """Logits -> tokens for a batch of requests, each with its own sampling parameters.
 
-Order per row (vLLM's): logprobs of the raw model distribution; repetition / presence / frequency penalties;
-min_tokens suppression of stop ids; then greedy argmax, or temperature -> min_p -> top_k -> top_p -> draw.
+Order per row (vLLM's): logprobs of the raw model distribution; a constrained row's grammar mask (tokens the
+grammar does not allow -> -inf: everything after respects it); repetition / presence / frequency penalties;
+min_tokens suppression of stop ids (not where the grammar allows nothing else); then greedy argmax, or
+temperature -> min_p -> top_k -> top_p -> draw.
 The draw is an inverse-CDF lookup with one uniform number per token. A seeded request takes that number from
 a generator keyed by (seed, index of the token being generated), so its tokens do not depend on what else is
 in the batch, on the batch order, or on preemption (which recomputes the same position).
@@ -10,6 +12,7 @@ in the batch, on the batch order, or on preemption (which recomputes the same po
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -101,24 +104,46 @@ def sample_row(row: np.ndarray, req: Request, u: float) -> int:
     return _draw(cand, ids, u)
 
 
+class Masks(Protocol):
+    """The allowed tokens of a step's constrained rows (service/engine/grammar.py's BatchMasks)."""
+
+    rows: dict[int, int]
+
+    def allowed(self, row: int) -> np.ndarray:
+        """bool [V]: the tokens row `row` may take."""
+
+    def allowed_rows(self, rows: list[int]) -> np.ndarray:
+        """bool [len(rows), V]."""
+
+
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = np.random.default_rng(seed)  # for requests without a seed
 
-    def sample(self, logits: np.ndarray, reqs: list[Request]) -> SamplerOutput:
-        """logits: [S, V] float32, row i for reqs[i]; returns one token (and optional logprobs) per row."""
+    def sample(self, logits: np.ndarray, reqs: list[Request], masks: Masks | None = None) -> SamplerOutput:
+        """logits: [S, V] float32, row i for reqs[i]; returns one token (and optional logprobs) per row.
+        masks: the allowed tokens of the constrained rows (None: no row is constrained)."""
         tokens: list[int] = []
         logprobs: list[TokenLogprob | None] = []
-        greedy_rows = [i for i, r in enumerate(reqs) if r.sampling.greedy and not self._needs_edit(r)]
+        masked = masks.rows if masks is not None else {}
+        greedy = [i for i, r in enumerate(reqs) if r.sampling.greedy and not self._needs_edit(r)]
+        greedy_rows = [i for i in greedy if i not in masked]
         argmax = np.argmax(logits[greedy_rows], axis=-1) if greedy_rows else []  # vectorized common case
         fast = dict(zip(greedy_rows, (int(t) for t in argmax), strict=True))
+        greedy_masked = [i for i in greedy if i in masked]
+        if greedy_masked:  # constrained greedy rows: vectorized too
+            allowed = masks.allowed_rows(greedy_masked)
+            argmax = np.argmax(np.where(allowed, logits[greedy_masked], -np.inf), axis=-1)
+            fast.update(zip(greedy_masked, (int(t) for t in argmax), strict=True))
         for i, req in enumerate(reqs):
             row = logits[i]
             if i in fast:
                 token = fast[i]
             else:
                 row = row.copy()
-                self._edit(row, req)
+                if i in masked:
+                    row[~masks.allowed(i)] = -np.inf
+                self._edit(row, req, i in masked)
                 token = int(np.argmax(row)) if req.sampling.greedy else sample_row(row, req, _uniform(req, self._rng))
             tokens.append(token)
             n = req.sampling.logprobs
@@ -130,11 +155,14 @@ class Sampler:
         return req.sampling.has_penalties or len(req.output_token_ids) < req.sampling.min_tokens
 
     @staticmethod
-    def _edit(row: np.ndarray, req: Request) -> None:
+    def _edit(row: np.ndarray, req: Request, masked: bool = False) -> None:
         p = req.sampling
         if p.has_penalties:
             apply_penalties(row, req)
         if len(req.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(req.eos_token_ids))
             if banned:
+                kept = row[banned]
                 row[banned] = -np.inf
+                if masked and np.isneginf(row).all():  # the grammar allows only a stop here: it wins
+                    row[banned] = kept

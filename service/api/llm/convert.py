@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from protos.llm.v1 import llm_pb2
 from service.api.validation import REQUEST_ID, TextLimits, encode_text
 from service.errors import InvalidRequest
-from service.request import SamplingParams
+from service.request import CONSTRAINT_FIELDS, Constraint, SamplingParams
 from service.tokenizer import ChatTemplateError, Tokenizer
 
 MAX_CHAT_MESSAGES = 1024
@@ -34,6 +34,8 @@ def _sampling(req: llm_pb2.GenerateRequest) -> SamplingParams:
         values["max_tokens"] = st.max_tokens
     if out.HasField("logprobs"):
         values["logprobs"] = out.logprobs
+    if req.HasField("constraint"):
+        values["constraint"] = constraint(req.constraint)
     values.update(
         min_tokens=st.min_tokens,
         stop=tuple(st.stop),
@@ -47,7 +49,30 @@ def _sampling(req: llm_pb2.GenerateRequest) -> SamplingParams:
         raise InvalidRequest(_proto_path(str(exc))) from None
 
 
+_KINDS = {field: kind for kind, field in CONSTRAINT_FIELDS.items()}
+
+
+def constraint(c: llm_pb2.Constraint) -> Constraint:
+    """The Constraint message -> the domain's; its shape errors name the field."""
+    field = c.WhichOneof("kind")
+    if field is None:
+        raise InvalidRequest("constraint: one of its kinds (json_schema, json_object, regex, ...) is required")
+    kind = _KINDS[field]
+    value = getattr(c, field)
+    try:
+        if kind == "json_object":
+            if not value:
+                raise InvalidRequest("must be true when set")
+            return Constraint(kind, any_whitespace=not c.disable_any_whitespace)
+        if kind == "choice":
+            return Constraint(kind, choices=tuple(value.choices), any_whitespace=not c.disable_any_whitespace)
+        return Constraint(kind, value, any_whitespace=not c.disable_any_whitespace)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"constraint.{field}: {exc}") from None
+
+
 _PROTO_PREFIX = {
+    "ignore_eos": "stopping.",
     "max_tokens": "stopping.",
     "min_tokens": "stopping.",
     "stop ": "stopping.",

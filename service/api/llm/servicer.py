@@ -23,7 +23,8 @@ from service.api.status import unary_errors
 from service.api.validation import TextLimits
 from service.backends.base import Backend, BackendInfo
 from service.errors import DeadlineExceeded, InvalidRequest, ServerShutdown
-from service.request import GenerateRequest, RequestOutput
+from service.limits import check_constraint
+from service.request import CONSTRAINT_FIELDS, GenerateRequest, RequestOutput
 from service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class LLMServicer:
 
     async def _to_domain(self, req: llm_pb2.GenerateRequest, backend: Backend, peer: str) -> GenerateRequest:
         request_id, sampling = check_fields(req)  # cheap checks first
+        check_constraint(sampling, backend.info.constraint_kinds, backend.info.backend)
         salt = interceptors.cache_salt(convert.cache_salt(req))
         backend.check_capacity()  # do not tokenize what the queue would refuse anyway
         limits = TextLimits.for_model(backend.tokenizer, backend.info.max_seq_len)
@@ -201,4 +203,5 @@ def model_info(backend: Backend, max_concurrent_rpcs: int) -> llm_pb2.ModelInfo:
         max_text_bytes=TextLimits.for_model(backend.tokenizer, i.max_seq_len).max_text_bytes,
         max_concurrent_rpcs=max_concurrent_rpcs,
         not_reported=list(i.not_reported),
+        constraint_kinds=[CONSTRAINT_FIELDS[k] for k in i.constraint_kinds],
     )

@@ -191,6 +191,10 @@ def to_call(
     values["constraint"] = guided_constraint(
         _one_string(model, tensors, GUIDE_TYPE), _one_string(model, tensors, GUIDE)
     )
+    if values["constraint"] is not None:
+        # the grammar decides where the output ends: the model's EOS ends it where the grammar accepts, even with
+        # no end_id (which alone would mean no end token); an end_id that is not an EOS is still a stop token
+        values.pop("ignore_eos", None)
     if stop_ids:
         values["stop_token_ids"] = tuple(dict.fromkeys((*values.get("stop_token_ids", ()), *stop_ids)))
     try:

@@ -19,7 +19,7 @@ from smg_grpc_proto import trtllm_service_pb2 as pb
 from service.api.validation import REQUEST_ID
 from service.errors import InvalidRequest
 from service.limits import check_token_ids
-from service.request import GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
+from service.request import Constraint, GenerateRequest, RequestOutput, SamplingParams, TokenLogprob
 
 # sub-messages whose fields are mapped one by one (the tables below name their fields, not them)
 CONTAINERS = ("tokenized", "sampling_config", "output_config")
@@ -50,6 +50,8 @@ HONOURED: dict[str, str] = {
     "stop_token_ids": "SamplingParams.stop_token_ids",
     "ignore_eos": "SamplingParams.ignore_eos",
     "include_stop_token_in_output": "false: the EOS / stop token id that ended the request is left out of the ids",
+    "guided_decoding": "SamplingParams.constraint: JSON (the guide ignored: any JSON object), JSON_SCHEMA, REGEX, "
+    "EBNF_GRAMMAR (GBNF), STRUCTURAL_TAG (refused by the native engine)",
 }
 
 REFUSED: dict[str, str] = {
@@ -67,7 +69,6 @@ REFUSED: dict[str, str] = {
     "output_config.return_context_logits": "logits are not returned by this server",
     "output_config.return_generation_logits": "logits are not returned by this server",
     "output_config.return_encoder_output": "encoder-decoder models are not served",
-    "guided_decoding": "guided decoding is not supported yet",
     "embedding_bias": "embedding bias is not supported",
     "lora_config": "LoRA adapters are not supported",
     "prompt_tuning_config": "prompt tuning is not supported",
@@ -80,7 +81,7 @@ REFUSED: dict[str, str] = {
 }
 
 # SamplingParams' own checks name its fields; these are where they live in the request
-_TOP_LEVEL = ("max_tokens", "stop ", "each stop", "stop_token_ids")
+_TOP_LEVEL = ("max_tokens", "stop ", "each stop", "stop_token_ids", "ignore_eos")
 _SAMPLING_FIELDS = (
     "top_k", "top_p", "temperature", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "min_p",
@@ -133,6 +134,8 @@ def _sampling(req: pb.GenerateRequest) -> SamplingParams:
     if out.HasField("logprobs"):
         values["logprobs"] = out.logprobs
     values.update(stop=tuple(req.stop), stop_token_ids=tuple(req.stop_token_ids), ignore_eos=req.ignore_eos)
+    if req.HasField("guided_decoding"):
+        values["constraint"] = guided_decoding(req.guided_decoding)
     try:
         return SamplingParams(**values)
     except InvalidRequest as exc:  # name the field as the proto spells it
@@ -141,6 +144,27 @@ def _sampling(req: pb.GenerateRequest) -> SamplingParams:
             raise InvalidRequest(message) from None
         prefix = "output_config." if message.startswith("logprobs") else "sampling_config."
         raise InvalidRequest(prefix + message) from None
+
+
+GUIDE_TYPES = {
+    pb.GuidedDecodingParams.GUIDE_TYPE_JSON: "json_object",
+    pb.GuidedDecodingParams.GUIDE_TYPE_JSON_SCHEMA: "json_schema",
+    pb.GuidedDecodingParams.GUIDE_TYPE_REGEX: "regex",
+    pb.GuidedDecodingParams.GUIDE_TYPE_EBNF_GRAMMAR: "gbnf",  # XGrammar's EBNF is GBNF
+    pb.GuidedDecodingParams.GUIDE_TYPE_STRUCTURAL_TAG: "structural_tag",
+}
+
+
+def guided_decoding(g: pb.GuidedDecodingParams) -> Constraint:
+    """TensorRT-LLM's GuidedDecodingParams -> Constraint (smg sends OpenAI's json_object as the JSON_SCHEMA
+    {"type": "object"}; JSON takes no guide, as TensorRT-LLM's)."""
+    kind = GUIDE_TYPES.get(g.guide_type)
+    if kind is None:
+        raise InvalidRequest(f"guided_decoding.guide_type must be set (JSON, JSON_SCHEMA, ...), got {g.guide_type}")
+    try:
+        return Constraint(kind) if kind == "json_object" else Constraint(kind, g.guide)
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"guided_decoding.guide: {exc}") from None
 
 
 def to_domain(req: pb.GenerateRequest, vocab_size: int, salt: str) -> GenerateRequest:
@@ -169,6 +193,8 @@ _BACKEND_NAMES = (
     ("sampling.", "sampling_config."),
     ("output.logprobs", "output_config.logprobs"),
     ("cache_salt", "cache_salt_id"),
+    ("constraint: ", "guided_decoding: "),
+    ("constraint.", "guided_decoding.guide: "),
 )
 
 

@@ -29,6 +29,7 @@ from service.api.status import unary_errors
 from service.api.worker import bundle, convert, kv_stream
 from service.backends.base import Backend
 from service.errors import DeadlineExceeded, EngineUnavailable, InvalidRequest, ServerShutdown, Unsupported
+from service.limits import check_constraint
 from service.request import RequestOutput, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,10 @@ class TrtllmServicer:
                 req = self.edge.parse(pb.GenerateRequest, raw)
                 salt = interceptors.cache_salt(convert.client_salt(req))
                 gen = convert.to_domain(req, backend.info.vocab_size, salt)
+                try:
+                    check_constraint(gen.sampling, backend.info.constraint_kinds, backend.info.backend)
+                except InvalidRequest as exc:
+                    raise InvalidRequest(convert.proto_names(str(exc))) from None
                 call.request_id = gen.request_id
                 if call.past_deadline():
                     raise DeadlineExceeded("the deadline had passed before the request was queued")
@@ -130,14 +135,17 @@ class TrtllmServicer:
                         contextlib.aclosing(_until(outputs, aborted)) as steps,
                     ):
                         writes.on_stall = lambda: _spawn(outputs.aclose())
-                        async for out in steps:
-                            call.tokens += len(out.new_token_ids)
-                            if out.finished and out.finish_reason == "abort" and self.edge.cut:
-                                raise ServerShutdown("the server shut down before the request finished")
-                            for msg in reply.add(out):
-                                writes.pending()
-                                yield msg
-                                writes.sent()
+                        try:
+                            async for out in steps:
+                                call.tokens += len(out.new_token_ids)
+                                if out.finished and out.finish_reason == "abort" and self.edge.cut:
+                                    raise ServerShutdown("the server shut down before the request finished")
+                                for msg in reply.add(out):
+                                    writes.pending()
+                                    yield msg
+                                    writes.sent()
+                        except InvalidRequest as exc:  # a constraint that does not compile (before any output)
+                            raise InvalidRequest(convert.proto_names(str(exc))) from None
 
     @unary_errors
     async def Abort(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
