@@ -52,7 +52,6 @@ import urllib.request
 import zipfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing
 from pathlib import Path
 
 import grpc
@@ -76,9 +75,9 @@ from clients.loadtest.__main__ import parse_args as loadtest_args
 from clients.loadtest.__main__ import tokenizer_fns
 from clients.loadtest.backends import Sampling
 from clients.loadtest.driver import closed_loop
-from clients.loadtest.http import endpoint, failures_recorded, sse_events
-from clients.loadtest.metrics import SLO, RequestRecord, summarize
-from clients.loadtest.openai_http import OpenAIBackend, parse_event, request_body, settle_usage
+from clients.loadtest.http import endpoint
+from clients.loadtest.metrics import SLO, summarize
+from clients.loadtest.openai_http import OpenAIBackend
 from clients.loadtest.workload import CORPUS, Lengths, TokenizerFns, WorkItem, load, synthetic
 from protos.llm.v1 import llm_pb2, llm_pb2_grpc
 
@@ -284,25 +283,10 @@ class SystemChatBackend(OpenAIBackend):
         super().__init__(endpoint(url, "--protocol openai"), model, "chat")
         self.chats = chats
 
-    async def send(self, item: WorkItem, sampling: Sampling, rec: RequestRecord) -> None:
-        body = request_body(self.api, self.model, item, sampling)
+    def body(self, item: WorkItem, sampling: Sampling) -> dict:
+        body = super().body(item, sampling)
         body["messages"] = self.chats[item.prompt or ""]
-        finished, usage = False, None
-        rec.send_time = time.perf_counter()
-        with failures_recorded(rec, "OPENAI"):
-            async with aclosing(sse_events(self.endpoint, "/v1/chat/completions", body, self.headers)) as events:
-                async for event in events:
-                    chunk = parse_event(event, self.api)
-                    if chunk.text:
-                        rec.chunk_times.append(time.perf_counter())
-                        rec.chunk_tokens.append(1)
-                    finished = finished or chunk.finished
-                    usage = chunk.usage or usage
-            if not finished:
-                rec.error = "HTTP: the stream ended before a finish_reason"
-                return
-            settle_usage(rec, usage)
-            rec.ok = True
+        return body
 
 
 def run_chats(url: str, model: str, chats: list[list[dict]], concurrency: int, output_len: int) -> dict:

@@ -122,8 +122,12 @@ class OpenAIBackend:
         self.endpoint, self.model, self.api = ep, model, api
         self.headers = headers or {}  # {"authorization": "Bearer KEY"} for a server with an API key
 
+    def body(self, item: WorkItem, sampling: Sampling) -> dict:
+        """One request's JSON body (a subclass may send other messages)."""
+        return request_body(self.api, self.model, item, sampling)
+
     async def send(self, item: WorkItem, sampling: Sampling, rec: RequestRecord) -> None:
-        body = request_body(self.api, self.model, item, sampling)
+        body = self.body(item, sampling)
         finished, usage = False, None
         rec.send_time = time.perf_counter()  # the connection is part of the request: one per request
         with failures_recorded(rec, "OPENAI"):
