@@ -47,7 +47,8 @@ def _argv(port: int, tmp: Path) -> list[str]:
 
 
 def _completion(url: str) -> dict:
-    body = json.dumps({"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 4}).encode()
+    body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    body = json.dumps({**body, "ignore_eos": True}).encode()  # exactly 4 tokens, whatever the model says
     req = urllib.request.Request(url + "/v1/completions", body, {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())
