@@ -170,7 +170,8 @@ else
     "$PY" -m pip --version >/dev/null 2>&1 || fail "$PY has no pip: run from the project venv (.ci/run does)"
     rm -rf wheelhouse && mkdir -p wheelhouse
     platforms=()
-    for t in _2_28 _2_27 _2_24 _2_17 2014 _2_5 1; do platforms+=(--platform "manylinux${t}_x86_64"); done
+    # glibc up to 2.36 (bookworm, the base image): llguidance 1.9.1 ships manylinux_2_31 only
+    for t in _2_36 _2_35 _2_34 _2_31 _2_28 _2_27 _2_24 _2_17 2014 _2_5 1; do platforms+=(--platform "manylinux${t}_x86_64"); done
     pip_dl() { "$PY" -m pip download -q --disable-pip-version-check -d wheelhouse --only-binary=:all: \
         --python-version 3.11 --implementation cp "${platforms[@]}" "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
     pip_dl -r requirements.txt
