@@ -1,9 +1,9 @@
 """The native engine's compiled kernels (service/engine/kernels/csrc/*.c); everything else is in pyproject.toml.
 
 The extension is optional: without a C compiler the install still succeeds and the kernels fall back to numba
-(service/engine/kernels/backend.py chooses; BACKEND.name says which matmuls run). No -march flags: the
-AVX2/FMA/F16C code is chosen at run time by a CPU check, so one binary runs on any x86-64 CPU (portable C where
-AVX2 is missing).
+(service/engine/kernels/backend.py chooses; BACKEND.name says which matmuls run). No -march flags: the AVX-512
+and AVX2/FMA/F16C code is compiled with target attributes and chosen at run time by a CPU check, so one binary
+runs on any x86-64 CPU (portable C where AVX2 is missing).
 """
 
 from pathlib import Path

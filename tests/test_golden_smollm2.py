@@ -1,4 +1,5 @@
-"""The native engine against the reference implementation (transformers, fp32) on the real SmolLM2-135M.
+"""The native engine against the reference implementation (transformers, fp32) on the real SmolLM2-135M, on every
+kernel ISA this CPU runs (AVX-512, AVX2, portable C: forced dispatch, BACKEND.ext.force_isa).
 
 Expected values come from tests/golden/make_golden.py (not run in CI; it needs torch + transformers).
 """
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from service.engine.kernels.backend import BACKEND
 from service.engine.runners.base import ForwardBatch, SeqChunk
 from service.engine.runners.numpy_runner import NumpyRunner
 from service.tokenizer import Tokenizer
@@ -18,7 +20,20 @@ from service.tokenizer import Tokenizer
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2_golden.json").read_text())
 LOGIT_RTOL = 1e-3
 
+ISAS = tuple(BACKEND.ext.isas()) if BACKEND.ext is not None and BACKEND.matmul == "c" else (BACKEND.name,)
+
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest):
+    """The kernels the test runs on: each ISA of the extension in turn, or the one fallback in use."""
+    if BACKEND.ext is None or BACKEND.matmul != "c":
+        yield request.param
+        return
+    assert BACKEND.ext.force_isa(request.param) == request.param
+    yield request.param
+    BACKEND.ext.force_isa("best")
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +64,7 @@ def test_prompt_token_ids_match_reference(case: dict, tokenizer: Tokenizer) -> N
 
 
 @pytest.mark.parametrize("case", GOLDEN["cases"], ids=lambda c: c["name"])
-def test_greedy_tokens_and_logits_match_reference(case: dict, runner: NumpyRunner) -> None:
+def test_greedy_tokens_and_logits_match_reference(case: dict, runner: NumpyRunner, isa: str) -> None:
     prompt = case["prompt_token_ids"]
     blocks = list(range(runner.num_kv_blocks))[::-1]  # a non-trivial block table
     # the prompt in one prefill chunk, then one token per step, fed the reference's tokens (teacher forcing),

@@ -28,7 +28,8 @@ def _choice(**env: str) -> str:
     code = (
         "from service.engine.kernels.backend import BACKEND as B; print(B.name, B.matmul_fallback, B.decode_attention)"
     )
-    environ = {k: v for k, v in os.environ.items() if k not in ("LLM_QUANT_KERNELS", "QUANT_KERNELS_GENERIC")}
+    skip = ("LLM_QUANT_KERNELS", "QUANT_KERNELS_GENERIC", "QUANT_KERNELS_ISA")
+    environ = {k: v for k, v in os.environ.items() if k not in skip}
     out = subprocess.run([sys.executable, "-c", code], env={**environ, **env}, cwd=ROOT, capture_output=True,
                          text=True, check=True, timeout=120)  # fmt: skip
     return out.stdout.strip()
@@ -40,12 +41,26 @@ def _choice(**env: str) -> str:
         ({"LLM_QUANT_KERNELS": "numba"}, "numba numba numba"),
         ({"LLM_QUANT_KERNELS": "numpy"}, "numpy numpy numba"),  # decode attention keeps numba
         ({"QUANT_KERNELS_GENERIC": "1"}, "c-generic numba c"),
+        ({"QUANT_KERNELS_ISA": "generic"}, "c-generic numba c"),
+        ({"QUANT_KERNELS_ISA": "avx2"}, "c-avx2 numba c"),
+        ({"QUANT_KERNELS_ISA": "avx512"}, "c-avx512 numba c"),
     ],
-    ids=["numba", "numpy", "generic"],
+    ids=["numba", "numpy", "generic", "isa-generic", "isa-avx2", "isa-avx512"],
 )
 def test_environment_switches(env: dict[str, str], expected: str) -> None:
     if BACKEND.numba is None:
         pytest.skip("numba is not installed")
-    if "QUANT_KERNELS_GENERIC" in env and BACKEND.ext is None:
+    if ("QUANT_KERNELS_GENERIC" in env or "QUANT_KERNELS_ISA" in env) and BACKEND.ext is None:
         pytest.skip("the compiled kernels extension is not built")
+    isa = env.get("QUANT_KERNELS_ISA", "generic")
+    if isa not in BACKEND.ext.isas():
+        pytest.skip(f"this CPU does not run {isa}")
     assert _choice(**env) == expected
+
+
+def test_an_isa_the_cpu_lacks_is_refused_by_name() -> None:
+    if BACKEND.ext is None:
+        pytest.skip("the compiled kernels extension is not built")
+    with pytest.raises(ValueError, match="isa must be"):
+        BACKEND.ext.force_isa("sse9")
+    assert BACKEND.ext.isa() == BACKEND.ext.isas()[0]  # unchanged: the CPU's best

@@ -3,6 +3,7 @@
  *   pool.c              a small thread pool (spin, then futex sleep; no OpenMP) and per-thread scratch
  *   matmul.c            y = x @ W.T for W kept as GGUF Q4_0 / Q4_1 / Q8_0 blocks, x and y fp32
  *   matmul_avx2.c       its AVX2 tile kernels
+ *   matmul_avx512.c     its AVX-512 tile kernels (the same arithmetic element for element, 16 lanes)
  *   attention.c         causal prefill attention of one sequence (contiguous K/V, or read through a block table)
  *   decode_attention.c  one query per sequence over the paged KV cache, many sequences per call
  *   elementwise.c       RMSNorm, RoPE, SiLU x up, KV-cache writes
@@ -33,9 +34,11 @@
  * processes and not in others (the stack's offset is random); main's single-file build showed it too. */
 #define CACHE_LINE 64
 
-/* the AVX2 kernels run (module.c: CPU check at import, force_generic); read by every task, so on a cache line
+/* the AVX2 kernels run (module.c: CPU check at import, force_isa); read by every task, so on a cache line
  * that nothing written often shares */
 extern int g_avx2;
+/* the AVX-512 matmul kernels run (implies g_avx2; module.c: CPU and OS check, force_isa) */
+extern int g_avx512;
 
 /* ---- pool.c: nthreads-1 workers + the calling thread; a job is fn(ctx, task) for task in [0, ntasks) ---- */
 typedef void (*task_fn)(void *ctx, int task);
@@ -49,6 +52,9 @@ float *scratch(size_t nfloats); /* this thread's scratch buffer, grown on demand
 /* ---- AVX2 helpers shared by the kernels ---- */
 #define AVX2_FN __attribute__((target("avx2,fma,f16c")))
 #define AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
+#define AVX512_FN __attribute__((target(AVX512_TARGET)))
+#define AVX512_INLINE static inline __attribute__((always_inline, target(AVX512_TARGET)))
 
 /* exp of 8 floats: a Cephes-style polynomial (max rel. error ~2e-7, like expf), the argument clamped */
 AVX2_INLINE __m256 exp256(__m256 x) {
@@ -89,18 +95,31 @@ size_t quant_chunk_bytes(int kind);
 int quant_matmul(int kind, const uint8_t *w, int rows, int cols, const float *x, int n, float *y, int mode);
 /* out[cols][rows] = W.T in fp32 (for a BLAS GEMM) */
 int quant_dequantize_t(int kind, const uint8_t *w, int rows, int cols, float *out);
+/* the rows of x the direct kernels take in one pass over a tile on the ISA in use (8 AVX-512, 2 AVX2, 4 else) */
+int direct_rows_per_pass(void);
 
-/* ---- matmul_avx2.c: one tile of 32 rows of W (its nblk chunks) against x; y [n][32] (row stride ldy) ---- */
+/* ---- the SIMD tile kernels: one tile of 32 rows of W (its nblk chunks) against x; y [n][32] (row stride ldy);
+ * sx [n][nblk] the block sums of x (Q4, block_sums_avx2 on every SIMD path: the same value everywhere) ---- */
 AVX2_FN void q4_tile_n1_avx2(const uint8_t *tile, int nblk, const float *x, const float *sx, float *y);
 AVX2_FN void q8_tile_n1_avx2(const uint8_t *tile, int nblk, const float *x, float *y);
-/* nb = 2..4 rows of x (row stride ldx); sx [nb][nblk] the block sums of x (Q4) */
-AVX2_FN void q4_tile_small_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, const float *sx, int nb,
-                                float *y, int ldy);
-AVX2_FN void q8_tile_small_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, int nb, float *y, int ldy);
+AVX2_FN void q4_tile_n2_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, const float *sx, float *y,
+                             int ldy);
+AVX2_FN void q8_tile_n2_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, float *y, int ldy);
+AVX512_FN void q4_tile_n1_avx512(const uint8_t *tile, int nblk, const float *x, const float *sx, float *y);
+AVX512_FN void q8_tile_n1_avx512(const uint8_t *tile, int nblk, const float *x, float *y);
+/* nb = 2..8 rows of x (row stride ldx) in one pass */
+AVX512_FN void tile_small_avx512(int kind, const uint8_t *tile, int nblk, const float *x, int ldx, const float *sx,
+                                 int nb, float *y, int ldy);
+/* block-panel: P [32][32] floats (64-byte aligned) = one chunk's quants; y[n][32] += the block against x
+ * (xb = x + 32 * block, sxb = sx + block) */
+AVX2_FN void unpack_block_avx2(int kind, const uint8_t *c, float *P);
+AVX2_FN void blk_gemm_avx2(int kind, const float *P, const uint8_t *c, const float *xb, int ldx, const float *sxb,
+                           int nblk, int n, float *y, int ldy);
+AVX512_FN void unpack_block_avx512(int kind, const uint8_t *c, float *P);
+AVX512_FN void blk_gemm_avx512(int kind, const float *P, const uint8_t *c, const float *xb, int ldx, const float *sxb,
+                               int nblk, int n, float *y, int ldy);
 /* out[k][0..31] (row stride ldo floats) = the tile's weights, k over the nblk * 32 columns */
 AVX2_FN void dequant_tile_avx2(int kind, const uint8_t *tile, int nblk, float *out, size_t ldo);
-/* y[n][32] = x[n][K] @ W, W a dequantized panel [K][32] */
-AVX2_FN void panel_gemm_avx2(const float *W, int K, const float *x, int ldx, int n, float *y, int ldy);
 AVX2_FN void block_sums_avx2(const float *x, int n, int ldx, int nblk, float *sx);
 
 /* ---- attention.c: q [n][H][hd] scaled, query i at position ctx - n + i; out [n][H * hd] ---- */

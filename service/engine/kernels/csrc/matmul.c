@@ -7,25 +7,29 @@
  *   Q8 chunk, 1088 bytes: qs[32][32] int8, d[32] fp16               weight = d * q
  * data: uint8 [n_tiles][n_blocks][chunk].
  *
- * Activations are never quantized. Three compute paths:
- *   direct (auto for n <= DIRECT_MAX_N = 8 rows of x): SIMD across the 32 rows of a tile, up to 4 rows of x per
- *     pass over the weights; per block t = sum_j q_j x_j in fp32, then y += d * t + m * sum_j x_j (the same sum
- *     as sum_j (d q_j + m) x_j, exact algebra, fp32 rounding).
- *   panel GEMM (auto for more rows): each thread dequantizes one tile into an fp32 panel [K][32] (d*q+m computed
- *     with one FMA, bit-identical to gguf.quants.dequantize), then a 16x6 register-blocked FMA micro-kernel.
+ * Activations are never quantized. The canonical order (every SIMD path computes each output element with this
+ * one sequence of fp32 operations, so an x row's result does not depend on how many rows share the call, which
+ * path or which of AVX2 / AVX-512 runs, or the thread count: batch-invariant numerics, tests/test_batch_invariance.py):
+ *   Q4:  per block b: A = fma chain over j = 0..15 of q[j] x[j], B = the same over q[j+16] x[j+16] (from 0),
+ *        y = fma(d, A + B, fma(m, s_b, y)), s_b = the block sum of x (block_sums_avx2), y from 0, b ascending
+ *   Q8:  per block b: A = fma chain over even j of q[j] x[j], B over odd j, y = fma(d, A + B, y)
+ * (the same sum as sum_j (d q_j + m) x_j: exact algebra, fp32 rounding). Paths:
+ *   direct (auto up to direct_rows_per_pass() rows of x: 8 with AVX-512, 2 with AVX2): SIMD across the 32 rows of
+ *     a tile straight from the blocks, every x row in one pass over the weights;
+ *   block-panel (auto for more rows): each block of a tile unpacked once into 32 x 32 floats in L1 (the quants,
+ *     no scales) and used by a register-blocked micro-kernel for every row of x (6 rows a pass AVX-512, 3 AVX2),
+ *     d and m applied per block as above;
+ *   portable C (no AVX2): each tile dequantized (d*q+m) and a plain loop; invariant in itself, not equal to the
+ *     SIMD order;
  *   dequantize_t: the whole matrix as fp32 W.T [K][rows] for a BLAS GEMM (path="blas").
- * Work is split by tiles over the pool (pool.c); each output row is computed by exactly one task, so results do
- * not depend on the thread count. The AVX2 tile kernels are in matmul_avx2.c, the portable ones here.
+ * Work is split by tiles over the pool (pool.c); each output row is computed by exactly one task. The SIMD tile
+ * kernels are in matmul_avx2.c and matmul_avx512.c, the portable ones here.
  */
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
-
-#ifndef DIRECT_MAX_N
-#define DIRECT_MAX_N 8 /* auto mode: x rows up to which the direct kernels (4 rows a pass) beat the panel */
-#endif
 
 /* ------------------------------------------------------------------------------------------------ */
 /* fp16 -> fp32 (portable, exact)                                                                     */
@@ -116,26 +120,32 @@ static void finish_tile(const job_t *J, int t, const float *tmp) {
     for (int i = 0; i < J->n; i++) memcpy(J->y + (size_t)i * J->ldy + r0, tmp + (size_t)i * TR, nr * 4);
 }
 
-static void task_small(void *ctx, int task) { /* the direct kernels, n <= 4 (callers split) */
+int direct_rows_per_pass(void) { return g_avx512 ? 8 : g_avx2 ? 2 : 4; }
+
+static void task_small(void *ctx, int task) { /* the direct kernels, n <= direct_rows_per_pass() (callers split) */
     const job_t *J = ctx;
     const size_t chunk = J->kind == KIND_Q4 ? Q4_CHUNK : Q8_CHUNK;
     int t0 = task * J->tiles_per_task, t1 = t0 + J->tiles_per_task;
     if (t1 > J->ntiles) t1 = J->ntiles;
-    float tmp[4 * TR];
+    float tmp[8 * TR];
     for (int t = t0; t < t1; t++) {
         const uint8_t *tile = J->w + (size_t)t * J->nblk * chunk;
         int partial = (t + 1) * TR > J->rows;
         float *y = partial ? tmp : J->y + (size_t)t * TR;
         int ldy = partial ? TR : J->ldy;
-        if (g_avx2) {
+        if (g_avx512) {
+            if (J->n > 1) tile_small_avx512(J->kind, tile, J->nblk, J->x, J->ldx, J->sx, J->n, y, ldy);
+            else if (J->kind == KIND_Q4) q4_tile_n1_avx512(tile, J->nblk, J->x, J->sx, y);
+            else q8_tile_n1_avx512(tile, J->nblk, J->x, y);
+        } else if (g_avx2) {
             if (J->kind == KIND_Q4) {
                 if (J->n == 1) q4_tile_n1_avx2(tile, J->nblk, J->x, J->sx, y);
-                else q4_tile_small_avx2(tile, J->nblk, J->x, J->ldx, J->sx, J->n, y, ldy);
+                else q4_tile_n2_avx2(tile, J->nblk, J->x, J->ldx, J->sx, y, ldy);
             } else {
                 if (J->n == 1) q8_tile_n1_avx2(tile, J->nblk, J->x, y);
-                else q8_tile_small_avx2(tile, J->nblk, J->x, J->ldx, J->n, y, ldy);
+                else q8_tile_n2_avx2(tile, J->nblk, J->x, J->ldx, y, ldy);
             }
-        } else { /* fallback: dequantize the tile, then a plain loop */
+        } else { /* portable: dequantize the tile, then a plain loop */
             float *W = scratch((size_t)J->cols * TR);
             if (!W) {
                 atomic_store(&((job_t *)J)->failed, 1);
@@ -148,25 +158,36 @@ static void task_small(void *ctx, int task) { /* the direct kernels, n <= 4 (cal
     }
 }
 
-static void task_panel(void *ctx, int task) { /* the panel path: dequantize a tile, register-blocked GEMM */
+static void task_panel(void *ctx, int task) { /* block-panel (SIMD) or tile panel (portable) */
     const job_t *J = ctx;
     const size_t chunk = J->kind == KIND_Q4 ? Q4_CHUNK : Q8_CHUNK;
     int t0 = task * J->tiles_per_task, t1 = t0 + J->tiles_per_task;
     if (t1 > J->ntiles) t1 = J->ntiles;
-    float *W = scratch((size_t)J->cols * TR + (size_t)J->n * TR);
+    const size_t panel = g_avx2 ? (size_t)TR * TR : (size_t)J->cols * TR; /* one block, or the whole tile */
+    float *W = scratch(panel + (size_t)J->n * TR);
     if (!W) {
         atomic_store(&((job_t *)J)->failed, 1); /* reported as MemoryError */
         return;
     }
-    float *tmp = W + (size_t)J->cols * TR;
+    float *tmp = W + panel;
     for (int t = t0; t < t1; t++) {
         const uint8_t *tile = J->w + (size_t)t * J->nblk * chunk;
         int partial = (t + 1) * TR > J->rows;
         float *y = partial ? tmp : J->y + (size_t)t * TR;
         int ldy = partial ? TR : J->ldy;
         if (g_avx2) {
-            dequant_tile_avx2(J->kind, tile, J->nblk, W, TR);
-            panel_gemm_avx2(W, J->cols, J->x, J->ldx, J->n, y, ldy);
+            for (int i = 0; i < J->n; i++) memset(y + (size_t)i * ldy, 0, TR * sizeof(float));
+            for (int b = 0; b < J->nblk; b++) {
+                const uint8_t *c = tile + (size_t)b * chunk;
+                const float *xb = J->x + 32 * b, *sxb = J->sx ? J->sx + b : NULL;
+                if (g_avx512) {
+                    unpack_block_avx512(J->kind, c, W);
+                    blk_gemm_avx512(J->kind, W, c, xb, J->ldx, sxb, J->nblk, J->n, y, ldy);
+                } else {
+                    unpack_block_avx2(J->kind, c, W);
+                    blk_gemm_avx2(J->kind, W, c, xb, J->ldx, sxb, J->nblk, J->n, y, ldy);
+                }
+            }
         } else {
             dequant_tile_generic(J->kind, tile, J->nblk, W, TR);
             panel_gemm_generic(W, J->cols, J->x, J->ldx, J->n, y, ldy);
@@ -212,44 +233,33 @@ size_t quant_chunk_bytes(int kind) { return kind == KIND_Q4 ? Q4_CHUNK : Q8_CHUN
 
 int quant_matmul(int kind, const uint8_t *w, int rows, int cols, const float *x, int n, float *y, int mode) {
     if (n <= 0) return 0;
-    int nblk = cols / 32, ntiles = (rows + TR - 1) / TR;
-    int direct = mode == 1 || (mode == 0 && n <= DIRECT_MAX_N);
+    const int nblk = cols / 32, ntiles = (rows + TR - 1) / TR, per_pass = direct_rows_per_pass();
+    const int direct = mode == 1 || (mode == 0 && n <= per_pass);
     job_t J = {kind, rows, cols, nblk, ntiles, n, cols, rows, w, x, NULL, y, 0, NULL, 0};
     float *sx = NULL;
+    if (kind == KIND_Q4 && g_avx2) { /* the block sums of every x row, once (the SIMD paths' m term) */
+        sx = malloc((size_t)n * nblk * sizeof(float));
+        if (!sx) return -1;
+        block_sums_avx2(x, n, cols, nblk, sx);
+    }
     int failed = 0;
-    if (direct && n > 4) { /* direct kernels take at most 4 x rows at a time */
-        for (int i0 = 0; i0 < n && !failed; i0 += 4) {
+    if (direct) { /* passes of at most per_pass x rows over the weights */
+        for (int i0 = 0; i0 < n && !failed; i0 += per_pass) {
             job_t Ji = J;
-            Ji.n = n - i0 < 4 ? n - i0 : 4;
-            Ji.x = J.x + (size_t)i0 * cols;
-            Ji.y = J.y + (size_t)i0 * rows;
-            if (kind == KIND_Q4) {
-                sx = realloc(sx, (size_t)Ji.n * nblk * 4);
-                if (!sx) { failed = 1; break; }
-                if (g_avx2) block_sums_avx2(Ji.x, Ji.n, cols, nblk, sx);
-                else for (int i = 0; i < Ji.n * nblk; i++) { float s = 0; for (int j = 0; j < 32; j++) s += Ji.x[(size_t)(i / nblk) * cols + 32 * (i % nblk) + j]; sx[i] = s; }
-                Ji.sx = sx;
-            }
+            Ji.n = n - i0 < per_pass ? n - i0 : per_pass;
+            Ji.x = x + (size_t)i0 * cols;
+            Ji.y = y + (size_t)i0 * rows;
+            Ji.sx = sx ? sx + (size_t)i0 * nblk : NULL;
             Ji.tiles_per_task = tiles_per_task(ntiles, pool_threads(), Ji.n);
             pool_run(task_small, &Ji, (ntiles + Ji.tiles_per_task - 1) / Ji.tiles_per_task);
             if (atomic_load(&Ji.failed)) failed = 1;
         }
-    } else if (direct) {
-        if (kind == KIND_Q4 && g_avx2) {
-            sx = malloc((size_t)n * nblk * 4);
-            if (!sx) failed = 1;
-            else block_sums_avx2(J.x, n, cols, nblk, sx);
-            J.sx = sx;
-        }
-        if (!failed) {
-            J.tiles_per_task = tiles_per_task(ntiles, pool_threads(), n);
-            pool_run(task_small, &J, (ntiles + J.tiles_per_task - 1) / J.tiles_per_task);
-        }
     } else {
+        J.sx = sx;
         J.tiles_per_task = tiles_per_task(ntiles, pool_threads(), n);
         pool_run(task_panel, &J, (ntiles + J.tiles_per_task - 1) / J.tiles_per_task);
+        if (atomic_load(&J.failed)) failed = 1;
     }
-    if (atomic_load(&J.failed)) failed = 1;
     free(sx);
     return failed ? -1 : 0;
 }

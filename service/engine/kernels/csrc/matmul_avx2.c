@@ -1,6 +1,7 @@
-/* The AVX2 + FMA + F16C tile kernels of the quantized matmul (matmul.c holds the layout, the portable kernels and
- * the tasks): one tile of 32 rows against 1 to 4 rows of x straight from the blocks (direct), a tile dequantized
- * into an fp32 panel, and a 16x6 register-blocked micro-kernel over that panel.
+/* The AVX2 + FMA + F16C tile kernels of the quantized matmul (matmul.c holds the layout, the canonical order of
+ * the arithmetic, the portable kernels and the tasks): one tile of 32 rows against 1 or 2 rows of x straight from
+ * the blocks (direct), a block unpacked into 32 x 32 floats and a register-blocked micro-kernel over it (3 rows
+ * of x by 16 weight rows a pass; the block-panel path), and a tile dequantized for BLAS (dequantize_t).
  */
 #include "kernels.h"
 
@@ -50,52 +51,42 @@ AVX2_FN void q4_tile_n1_avx2(const uint8_t *tile, int nblk, const float *x, cons
     _mm256_storeu_ps(y + 24, y3);
 }
 
-/* One Q4 tile, NB (2..4) x rows, one 16-row half at a time; y[n][0..31] (stride ldy) accumulated in memory
- * per block so the block accumulators t stay in registers. NB == 2 keeps lo/hi apart (8 chains). */
-AVX2_INLINE void q4_tile_nb_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, const float *sx,
-                                 float *y, int ldy, const int NB) {
+/* One Q4 tile, 2 x rows, one 16-row half at a time; lo/hi chains apart as in the one-row kernel. */
+AVX2_FN void q4_tile_n2_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, const float *sx, float *y,
+                             int ldy) {
     const __m256i m4 = _mm256_set1_epi32(15);
     for (int h = 0; h < 2; h++) {
-        __m256 acc[4][2];
-        for (int n = 0; n < NB; n++) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
+        __m256 acc[2][2];
+        for (int n = 0; n < 2; n++) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
         for (int b = 0; b < nblk; b++) {
             const uint8_t *c = tile + (size_t)b * Q4_CHUNK + 16 * h;
-            __m256 tl[4][2], th[4][2];
-            for (int n = 0; n < NB; n++) tl[n][0] = tl[n][1] = th[n][0] = th[n][1] = _mm256_setzero_ps();
+            __m256 tl[2][2], th[2][2];
+            for (int n = 0; n < 2; n++) tl[n][0] = tl[n][1] = th[n][0] = th[n][1] = _mm256_setzero_ps();
             for (int j = 0; j < 16; j++) {
                 __m256i v0 = ld8u(c + 32 * j), v1 = ld8u(c + 32 * j + 8);
                 __m256 l0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, m4));
                 __m256 l1 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, m4));
                 __m256 g0 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));
                 __m256 g1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));
-                for (int n = 0; n < NB; n++) {
+                for (int n = 0; n < 2; n++) {
                     const float *xb = x + (size_t)n * ldx + 32 * b;
                     __m256 xl = _mm256_broadcast_ss(xb + j), xh = _mm256_broadcast_ss(xb + j + 16);
-                    if (NB == 2) {
-                        tl[n][0] = _mm256_fmadd_ps(l0, xl, tl[n][0]);
-                        tl[n][1] = _mm256_fmadd_ps(l1, xl, tl[n][1]);
-                        th[n][0] = _mm256_fmadd_ps(g0, xh, th[n][0]);
-                        th[n][1] = _mm256_fmadd_ps(g1, xh, th[n][1]);
-                    } else {
-                        tl[n][0] = _mm256_fmadd_ps(g0, xh, _mm256_fmadd_ps(l0, xl, tl[n][0]));
-                        tl[n][1] = _mm256_fmadd_ps(g1, xh, _mm256_fmadd_ps(l1, xl, tl[n][1]));
-                    }
+                    tl[n][0] = _mm256_fmadd_ps(l0, xl, tl[n][0]);
+                    tl[n][1] = _mm256_fmadd_ps(l1, xl, tl[n][1]);
+                    th[n][0] = _mm256_fmadd_ps(g0, xh, th[n][0]);
+                    th[n][1] = _mm256_fmadd_ps(g1, xh, th[n][1]);
                 }
             }
             const uint8_t *cd = tile + (size_t)b * Q4_CHUNK + 512 + 32 * h, *cm = cd + 64;
             __m256 d0 = ldh(cd), d1 = ldh(cd + 16), m0 = ldh(cm), m1 = ldh(cm + 16);
-            for (int n = 0; n < NB; n++) {
-                __m256 t0 = tl[n][0], t1 = tl[n][1];
-                if (NB == 2) {
-                    t0 = _mm256_add_ps(t0, th[n][0]);
-                    t1 = _mm256_add_ps(t1, th[n][1]);
-                }
+            for (int n = 0; n < 2; n++) {
+                __m256 t0 = _mm256_add_ps(tl[n][0], th[n][0]), t1 = _mm256_add_ps(tl[n][1], th[n][1]);
                 __m256 s = _mm256_broadcast_ss(sx + (size_t)n * nblk + b);
                 acc[n][0] = _mm256_fmadd_ps(d0, t0, _mm256_fmadd_ps(m0, s, acc[n][0]));
                 acc[n][1] = _mm256_fmadd_ps(d1, t1, _mm256_fmadd_ps(m1, s, acc[n][1]));
             }
         }
-        for (int n = 0; n < NB; n++) {
+        for (int n = 0; n < 2; n++) {
             _mm256_storeu_ps(y + (size_t)n * ldy + 16 * h, acc[n][0]);
             _mm256_storeu_ps(y + (size_t)n * ldy + 16 * h + 8, acc[n][1]);
         }
@@ -134,36 +125,34 @@ AVX2_FN void q8_tile_n1_avx2(const uint8_t *tile, int nblk, const float *x, floa
     _mm256_storeu_ps(y + 24, y3);
 }
 
-/* One Q8 tile, NB (2..4) x rows, 16-row halves. */
-AVX2_INLINE void q8_tile_nb_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, float *y, int ldy,
-                                 const int NB) {
+/* One Q8 tile, 2 x rows, 16-row halves; even/odd chains apart as in the one-row kernel. */
+AVX2_FN void q8_tile_n2_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, float *y, int ldy) {
     for (int h = 0; h < 2; h++) {
-        __m256 acc[4][2];
-        for (int n = 0; n < NB; n++) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
+        __m256 acc[2][2];
+        for (int n = 0; n < 2; n++) acc[n][0] = acc[n][1] = _mm256_setzero_ps();
         for (int b = 0; b < nblk; b++) {
             const uint8_t *c = tile + (size_t)b * Q8_CHUNK + 16 * h;
-            __m256 t[4][2][2];
-            for (int n = 0; n < NB; n++) t[n][0][0] = t[n][0][1] = t[n][1][0] = t[n][1][1] = _mm256_setzero_ps();
+            __m256 t[2][2][2];
+            for (int n = 0; n < 2; n++) t[n][0][0] = t[n][0][1] = t[n][1][0] = t[n][1][1] = _mm256_setzero_ps();
             for (int j = 0; j < 32; j += 2) {
                 for (int e = 0; e < 2; e++) {
                     __m256 w0 = _mm256_cvtepi32_ps(ld8s(c + 32 * (j + e)));
                     __m256 w1 = _mm256_cvtepi32_ps(ld8s(c + 32 * (j + e) + 8));
-                    for (int n = 0; n < NB; n++) {
+                    for (int n = 0; n < 2; n++) {
                         __m256 xv = _mm256_broadcast_ss(x + (size_t)n * ldx + 32 * b + j + e);
-                        const int p = NB <= 2 ? e : 0; /* split even/odd only where chains are few */
-                        t[n][p][0] = _mm256_fmadd_ps(w0, xv, t[n][p][0]);
-                        t[n][p][1] = _mm256_fmadd_ps(w1, xv, t[n][p][1]);
+                        t[n][e][0] = _mm256_fmadd_ps(w0, xv, t[n][e][0]);
+                        t[n][e][1] = _mm256_fmadd_ps(w1, xv, t[n][e][1]);
                     }
                 }
             }
             const uint8_t *cd = tile + (size_t)b * Q8_CHUNK + 1024 + 32 * h;
             __m256 d0 = ldh(cd), d1 = ldh(cd + 16);
-            for (int n = 0; n < NB; n++) {
+            for (int n = 0; n < 2; n++) {
                 acc[n][0] = _mm256_fmadd_ps(d0, _mm256_add_ps(t[n][0][0], t[n][1][0]), acc[n][0]);
                 acc[n][1] = _mm256_fmadd_ps(d1, _mm256_add_ps(t[n][0][1], t[n][1][1]), acc[n][1]);
             }
         }
-        for (int n = 0; n < NB; n++) {
+        for (int n = 0; n < 2; n++) {
             _mm256_storeu_ps(y + (size_t)n * ldy + 16 * h, acc[n][0]);
             _mm256_storeu_ps(y + (size_t)n * ldy + 16 * h + 8, acc[n][1]);
         }
@@ -206,74 +195,73 @@ AVX2_FN void dequant_tile_avx2(int kind, const uint8_t *tile, int nblk, float *o
     }
 }
 
-/* Micro-kernel: y[n][0..15] = sum_k W[k][0..15] * x[n][k] for n < NR (<= 6); W has row stride 32 floats.
- * K is summed in chunks of KC (fresh accumulators per chunk, added into y): a two-level sum keeps the fp32
- * rounding error closer to BLAS's than one long chain over K. */
-#define KC 128
-AVX2_INLINE void mk16xnr(const float *W, int K, const float *x, int ldx, float *y, int ldy, const int NR) {
-    const float *xr[6];
-    for (int n = 0; n < NR; n++) xr[n] = x + (size_t)n * ldx;
-    for (int k0 = 0; k0 < K; k0 += KC) {
-        const int k1 = k0 + KC < K ? k0 + KC : K;
-        __m256 a[6][2];
-        for (int n = 0; n < NR; n++) a[n][0] = a[n][1] = _mm256_setzero_ps();
-        for (int k = k0; k < k1; k++) {
-            __m256 w0 = _mm256_load_ps(W + 32 * k), w1 = _mm256_load_ps(W + 32 * k + 8);
+/* One chunk's quants as floats, no scales: P[k][0..31] = q of rows 0..31 at column k of the block. */
+AVX2_FN void unpack_block_avx2(int kind, const uint8_t *c, float *P) {
+    if (kind == KIND_Q4) {
+        const __m256i m4 = _mm256_set1_epi32(15);
+        for (int j = 0; j < 16; j++)
+            for (int g = 0; g < 4; g++) {
+                __m256i v = ld8u(c + 32 * j + 8 * g);
+                _mm256_store_ps(P + 32 * j + 8 * g, _mm256_cvtepi32_ps(_mm256_and_si256(v, m4)));
+                _mm256_store_ps(P + 32 * (j + 16) + 8 * g, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)));
+            }
+    } else {
+        for (int j = 0; j < 32; j++)
+            for (int g = 0; g < 4; g++)
+                _mm256_store_ps(P + 32 * j + 8 * g, _mm256_cvtepi32_ps(ld8s(c + 32 * j + 8 * g)));
+    }
+}
+
+/* NR (<= 3) rows of x against one unpacked block, 16 weight rows (half h) at a time: y = fma(d, A + B,
+ * fma(m, s, y)) (Q4) or fma(d, A + B, y) (Q8), chains A/B in the order of the direct kernels (matmul.c). */
+AVX2_INLINE void blk_rows_avx2(int kind, const float *P, const uint8_t *c, const float *xb, int ldx,
+                               const float *sxb, int nblk, float *y, int ldy, const int NR) {
+    const int q4 = kind == KIND_Q4, sa = q4 ? 1 : 2, ob = q4 ? 16 : 1;
+    for (int h = 0; h < 2; h++) {
+        const float *Ph = P + 16 * h;
+        __m256 a[3][2], e[3][2];
+        for (int n = 0; n < NR; n++) a[n][0] = a[n][1] = e[n][0] = e[n][1] = _mm256_setzero_ps();
+        for (int i = 0; i < 16; i++) {
+            const int ka = sa * i, kb = ka + ob;
+            const __m256 wa0 = _mm256_load_ps(Ph + 32 * ka), wa1 = _mm256_load_ps(Ph + 32 * ka + 8);
             for (int n = 0; n < NR; n++) {
-                __m256 b = _mm256_broadcast_ss(xr[n] + k);
-                a[n][0] = _mm256_fmadd_ps(w0, b, a[n][0]);
-                a[n][1] = _mm256_fmadd_ps(w1, b, a[n][1]);
+                const __m256 xa = _mm256_broadcast_ss(xb + (size_t)n * ldx + ka);
+                a[n][0] = _mm256_fmadd_ps(wa0, xa, a[n][0]);
+                a[n][1] = _mm256_fmadd_ps(wa1, xa, a[n][1]);
+            }
+            const __m256 wb0 = _mm256_load_ps(Ph + 32 * kb), wb1 = _mm256_load_ps(Ph + 32 * kb + 8);
+            for (int n = 0; n < NR; n++) {
+                const __m256 xe = _mm256_broadcast_ss(xb + (size_t)n * ldx + kb);
+                e[n][0] = _mm256_fmadd_ps(wb0, xe, e[n][0]);
+                e[n][1] = _mm256_fmadd_ps(wb1, xe, e[n][1]);
             }
         }
+        const uint8_t *cd = c + (q4 ? 512 : 1024) + 32 * h, *cm = c + 576 + 32 * h;
         for (int n = 0; n < NR; n++) {
-            float *yn = y + (size_t)n * ldy;
-            if (k0) {
-                a[n][0] = _mm256_add_ps(a[n][0], _mm256_loadu_ps(yn));
-                a[n][1] = _mm256_add_ps(a[n][1], _mm256_loadu_ps(yn + 8));
+            float *yn = y + (size_t)n * ldy + 16 * h;
+            __m256 y0 = _mm256_loadu_ps(yn), y1 = _mm256_loadu_ps(yn + 8);
+            if (q4) {
+                const __m256 s = _mm256_broadcast_ss(sxb + (size_t)n * nblk);
+                y0 = _mm256_fmadd_ps(ldh(cm), s, y0);
+                y1 = _mm256_fmadd_ps(ldh(cm + 16), s, y1);
             }
-            _mm256_storeu_ps(yn, a[n][0]);
-            _mm256_storeu_ps(yn + 8, a[n][1]);
+            _mm256_storeu_ps(yn, _mm256_fmadd_ps(ldh(cd), _mm256_add_ps(a[n][0], e[n][0]), y0));
+            _mm256_storeu_ps(yn + 8, _mm256_fmadd_ps(ldh(cd + 16), _mm256_add_ps(a[n][1], e[n][1]), y1));
         }
     }
 }
 
-AVX2_FN void panel_gemm_avx2(const float *W, int K, const float *x, int ldx, int n, float *y, int ldy) {
-    /* W: [K][32] panel of one tile; y: [n][32] (stride ldy) */
+/* y[n][0..31] (stride ldy, zeroed by the caller) += one block (chunk c, unpacked in P) against x rows 0..n-1 */
+AVX2_FN void blk_gemm_avx2(int kind, const float *P, const uint8_t *c, const float *xb, int ldx, const float *sxb,
+                           int nblk, int n, float *y, int ldy) {
     int n0 = 0;
-    for (; n0 + 6 <= n; n0 += 6)
-        for (int h = 0; h < 2; h++)
-            mk16xnr(W + 16 * h, K, x + (size_t)n0 * ldx, ldx, y + (size_t)n0 * ldy + 16 * h, ldy, 6);
-    int r = n - n0;
-    for (int h = 0; h < 2 && r; h++) {
-        const float *Wh = W + 16 * h;
-        const float *xn = x + (size_t)n0 * ldx;
-        float *yn = y + (size_t)n0 * ldy + 16 * h;
-        switch (r) {
-            case 1: mk16xnr(Wh, K, xn, ldx, yn, ldy, 1); break;
-            case 2: mk16xnr(Wh, K, xn, ldx, yn, ldy, 2); break;
-            case 3: mk16xnr(Wh, K, xn, ldx, yn, ldy, 3); break;
-            case 4: mk16xnr(Wh, K, xn, ldx, yn, ldy, 4); break;
-            default: mk16xnr(Wh, K, xn, ldx, yn, ldy, 5); break;
-        }
-    }
-}
-
-AVX2_FN void q4_tile_small_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, const float *sx,
-                                int nb, float *y, int ldy) {
-    switch (nb) {
-        case 2: q4_tile_nb_avx2(tile, nblk, x, ldx, sx, y, ldy, 2); break;
-        case 3: q4_tile_nb_avx2(tile, nblk, x, ldx, sx, y, ldy, 3); break;
-        default: q4_tile_nb_avx2(tile, nblk, x, ldx, sx, y, ldy, 4); break;
-    }
-}
-
-AVX2_FN void q8_tile_small_avx2(const uint8_t *tile, int nblk, const float *x, int ldx, int nb, float *y,
-                                int ldy) {
-    switch (nb) {
-        case 2: q8_tile_nb_avx2(tile, nblk, x, ldx, y, ldy, 2); break;
-        case 3: q8_tile_nb_avx2(tile, nblk, x, ldx, y, ldy, 3); break;
-        default: q8_tile_nb_avx2(tile, nblk, x, ldx, y, ldy, 4); break;
-    }
+    for (; n0 + 3 <= n; n0 += 3)
+        blk_rows_avx2(kind, P, c, xb + (size_t)n0 * ldx, ldx, sxb + (size_t)n0 * nblk, nblk, y + (size_t)n0 * ldy,
+                      ldy, 3);
+    const float *xr = xb + (size_t)n0 * ldx, *sr = sxb + (size_t)n0 * nblk;
+    float *yr = y + (size_t)n0 * ldy;
+    if (n - n0 == 1) blk_rows_avx2(kind, P, c, xr, ldx, sr, nblk, yr, ldy, 1);
+    else if (n - n0 == 2) blk_rows_avx2(kind, P, c, xr, ldx, sr, nblk, yr, ldy, 2);
 }
 
 AVX2_FN void block_sums_avx2(const float *x, int n, int ldx, int nblk, float *sx) {

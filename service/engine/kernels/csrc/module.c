@@ -5,10 +5,13 @@
  * Python side (the modules of kernels/) passes C-contiguous arrays and their shapes. The rest are the pool's
  * and the ISA's switches.
  */
+#include <string.h>
+
 #include "args.h"
 #include "kernels.h"
 
 int g_avx2 __attribute__((aligned(CACHE_LINE))) = 0;
+int g_avx512 = 0;
 
 #define INT(name, lo, hi) {name, ARG_INT, lo, hi, 0, NULL}
 #define FLOAT(name) {name, ARG_FLOAT, 0, 0, 0, NULL}
@@ -323,16 +326,49 @@ static PyObject *py_set_spin_us(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *py_isa(PyObject *self, PyObject *unused) { return PyUnicode_FromString(g_avx2 ? "avx2" : "generic"); }
-
+/* The ISAs this CPU and OS run: AVX2 needs FMA and F16C; AVX-512 F/BW/VL/DQ (libgcc's check includes the OS
+ * saving the ZMM state). */
 static int cpu_has_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+static int cpu_has_avx512(void) {
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+static const char *isa_name(void) { return g_avx512 ? "avx512" : g_avx2 ? "avx2" : "generic"; }
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) { return PyUnicode_FromString(isa_name()); }
+
+static PyObject *py_isas(PyObject *self, PyObject *unused) { /* the ISAs force_isa accepts here, best first */
+    if (cpu_has_avx512()) return Py_BuildValue("(sss)", "avx512", "avx2", "generic");
+    if (cpu_has_avx2()) return Py_BuildValue("(ss)", "avx2", "generic");
+    return Py_BuildValue("(s)", "generic");
+}
+
+static PyObject *py_force_isa(PyObject *self, PyObject *arg) { /* "avx512", "avx2", "generic" or "best" */
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    int best = !strcmp(name, "best"), a512 = !strcmp(name, "avx512"), a2 = !strcmp(name, "avx2");
+    if (!best && !a512 && !a2 && strcmp(name, "generic")) {
+        PyErr_Format(PyExc_ValueError, "isa must be avx512, avx2, generic or best, not %R", arg);
+        return NULL;
+    }
+    if ((a512 && !cpu_has_avx512()) || (a2 && !cpu_has_avx2())) {
+        PyErr_Format(PyExc_ValueError, "this CPU (or OS) does not run %s", name);
+        return NULL;
+    }
+    g_avx2 = (best || a512 || a2) && cpu_has_avx2();
+    g_avx512 = (best || a512) && cpu_has_avx512();
+    return PyUnicode_FromString(isa_name());
 }
 
 static PyObject *py_force_generic(PyObject *self, PyObject *arg) {
     int on = PyObject_IsTrue(arg);
     if (on < 0) return NULL;
     g_avx2 = on ? 0 : cpu_has_avx2();
+    g_avx512 = on ? 0 : cpu_has_avx512();
     Py_RETURN_NONE;
 }
 
@@ -352,7 +388,9 @@ static PyMethodDef methods[] = {
     {"set_num_threads", py_set_num_threads, METH_O, "threads used by the kernels (including the caller)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, ""},
     {"set_spin_us", py_set_spin_us, METH_O, "how long idle workers spin before sleeping (microseconds)"},
-    {"isa", py_isa, METH_NOARGS, "'avx2' or 'generic'"},
+    {"isa", py_isa, METH_NOARGS, "the kernels in use: 'avx512', 'avx2' or 'generic'"},
+    {"isas", py_isas, METH_NOARGS, "the ISAs this CPU runs, best first"},
+    {"force_isa", py_force_isa, METH_O, "force_isa('avx512' | 'avx2' | 'generic' | 'best'): returns isa()"},
     {"force_generic", py_force_generic, METH_O, "use the portable kernels (True) or the CPU's best (False)"},
     {NULL, NULL, 0, NULL},
 };
@@ -361,7 +399,8 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_kernels", NULL, -1,
 
 PyMODINIT_FUNC PyInit__kernels(void) {
     __builtin_cpu_init();
-    g_avx2 = cpu_has_avx2(); /* QUANT_KERNELS_GENERIC is applied by kernels/backend.py (force_generic) */
+    g_avx2 = cpu_has_avx2(); /* QUANT_KERNELS_ISA is applied by kernels/backend.py (force_isa) */
+    g_avx512 = cpu_has_avx512();
     pool_init();
     return PyModule_Create(&moddef);
 }
