@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -19,6 +20,8 @@ import pytest
 from build_engine.packing import PackedMatrix, dequantize_packed, pack_blocks
 from service.engine.kernels import matmul as kernels
 from service.engine.kernels.backend import BACKEND
+from service.engine.runners.base import ForwardBatch, SeqChunk
+from service.engine.runners.numpy_runner import NumpyRunner
 
 ISAS = tuple(BACKEND.ext.isas()) if BACKEND.ext is not None and BACKEND.matmul == "c" else ()
 ROWS = 40  # rows of x: past the direct path (8), several micro-kernel passes (6 and 3 rows) and a remainder
@@ -75,3 +78,46 @@ def test_simd_isas_compute_the_same_bits(fmt: str, rows: int, cols: int) -> None
     first = out[simd[0]]
     for name in simd[1:]:
         assert np.array_equal(out[name], first), (simd[0], name, fmt)
+
+
+# ---- the model runner on the real default engine ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runner(smollm2_engine_dir: Path) -> NumpyRunner:
+    return NumpyRunner(smollm2_engine_dir, num_kv_blocks=16 * 8 + 8)
+
+
+def _prefill(runner: NumpyRunner, seqs: list[list[int]], tables: list[list[int]]) -> None:
+    for ids, table in zip(seqs, tables, strict=True):
+        runner.execute(ForwardBatch.from_chunks([SeqChunk(ids, 0, table)], runner.block_size))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", [100, 1000], ids=lambda c: f"{c}-keys")
+def test_decode_logits_alone_equal_logits_in_a_batch_of_16(runner: NumpyRunner, context: int) -> None:
+    rng = np.random.default_rng(context)
+    per_seq = -(-(context + 2) // runner.block_size)
+    lens = [context] + [int(n) for n in rng.integers(1, context + 1, size=15)]  # the others: other lengths
+    seqs = [rng.integers(0, 49152, size=n).tolist() for n in lens]
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(16)]
+    _prefill(runner, seqs, tables)
+    chunks = [SeqChunk([7], n, t) for n, t in zip(lens, tables, strict=True)]
+    batched = runner.execute(ForwardBatch.from_chunks(chunks, runner.block_size))  # [16, V]
+    alone = runner.execute(ForwardBatch.from_chunks(chunks[:1], runner.block_size))  # [1, V]: rewrites the same KV
+    assert np.array_equal(alone[0], batched[0])
+    assert np.array_equal(runner.execute(ForwardBatch.from_chunks(chunks[5:6], runner.block_size))[0], batched[5])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", [40, 700], ids=lambda c: f"{c}-keys")
+def test_a_multi_token_step_row_equals_a_one_token_step(runner: NumpyRunner, context: int) -> None:
+    rng = np.random.default_rng(context + 1)
+    ids = rng.integers(0, 49152, size=context + 5).tolist()
+    table = list(range(-(-(context + 5) // runner.block_size)))
+    # one step of 5 new tokens after `context` (a prefill chunk, or a verification step of 4 drafts) ...
+    _prefill(runner, [ids[:context]], [table])
+    chunk = runner.execute(ForwardBatch.from_chunks([SeqChunk(ids[context:], context, table)], runner.block_size))
+    # ... against the same 5 tokens one decode step each
+    for i in range(5):
+        step = SeqChunk([ids[context + i]], context + i, table)
+        one = runner.execute(ForwardBatch.from_chunks([step], runner.block_size))
+    assert np.array_equal(one[0], chunk[0])

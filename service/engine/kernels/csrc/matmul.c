@@ -158,12 +158,14 @@ static void task_small(void *ctx, int task) { /* the direct kernels, n <= direct
     }
 }
 
+#define PANEL_ROWS 48 /* rows of x per sweep over a tile's blocks: their y and x slices stay in L1 */
+
 static void task_panel(void *ctx, int task) { /* block-panel (SIMD) or tile panel (portable) */
     const job_t *J = ctx;
     const size_t chunk = J->kind == KIND_Q4 ? Q4_CHUNK : Q8_CHUNK;
     int t0 = task * J->tiles_per_task, t1 = t0 + J->tiles_per_task;
     if (t1 > J->ntiles) t1 = J->ntiles;
-    const size_t panel = g_avx2 ? (size_t)TR * TR : (size_t)J->cols * TR; /* one block, or the whole tile */
+    const size_t panel = (size_t)J->cols * TR; /* the whole tile: quants (SIMD) or weights (portable) */
     float *W = scratch(panel + (size_t)J->n * TR);
     if (!W) {
         atomic_store(&((job_t *)J)->failed, 1); /* reported as MemoryError */
@@ -175,17 +177,20 @@ static void task_panel(void *ctx, int task) { /* block-panel (SIMD) or tile pane
         int partial = (t + 1) * TR > J->rows;
         float *y = partial ? tmp : J->y + (size_t)t * TR;
         int ldy = partial ? TR : J->ldy;
-        if (g_avx2) {
+        if (g_avx2) { /* each block unpacked once (in the first sweep, while in L1), used by every row of x */
             for (int i = 0; i < J->n; i++) memset(y + (size_t)i * ldy, 0, TR * sizeof(float));
-            for (int b = 0; b < J->nblk; b++) {
-                const uint8_t *c = tile + (size_t)b * chunk;
-                const float *xb = J->x + 32 * b, *sxb = J->sx ? J->sx + b : NULL;
-                if (g_avx512) {
-                    unpack_block_avx512(J->kind, c, W);
-                    blk_gemm_avx512(J->kind, W, c, xb, J->ldx, sxb, J->nblk, J->n, y, ldy);
-                } else {
-                    unpack_block_avx2(J->kind, c, W);
-                    blk_gemm_avx2(J->kind, W, c, xb, J->ldx, sxb, J->nblk, J->n, y, ldy);
+            for (int r0 = 0; r0 < J->n; r0 += PANEL_ROWS) {
+                const int nr = J->n - r0 < PANEL_ROWS ? J->n - r0 : PANEL_ROWS;
+                const float *xr = J->x + (size_t)r0 * J->ldx, *sxr = J->sx ? J->sx + (size_t)r0 * J->nblk : NULL;
+                float *yr = y + (size_t)r0 * ldy;
+                for (int b = 0; b < J->nblk; b++) {
+                    const uint8_t *c = tile + (size_t)b * chunk;
+                    float *P = W + (size_t)b * TR * TR;
+                    const float *sxb = sxr ? sxr + b : NULL;
+                    if (r0 == 0 && g_avx512) unpack_block_avx512(J->kind, c, P);
+                    else if (r0 == 0) unpack_block_avx2(J->kind, c, P);
+                    if (g_avx512) blk_gemm_avx512(J->kind, P, c, xr + 32 * b, J->ldx, sxb, J->nblk, nr, yr, ldy);
+                    else blk_gemm_avx2(J->kind, P, c, xr + 32 * b, J->ldx, sxb, J->nblk, nr, yr, ldy);
                 }
             }
         } else {
