@@ -214,9 +214,9 @@ AVX2_FN void unpack_block_avx2(int kind, const uint8_t *c, float *P) {
 
 /* NR (<= 3) rows of x against one unpacked block, 16 weight rows (half h) at a time: y = fma(d, A + B,
  * fma(m, s, y)) (Q4) or fma(d, A + B, y) (Q8), chains A/B in the order of the direct kernels (matmul.c). */
-AVX2_INLINE void blk_rows_avx2(int kind, const float *P, const uint8_t *c, const float *xb, int ldx,
+AVX2_INLINE void blk_rows_avx2(const int q4, const float *P, const uint8_t *c, const float *xb, int ldx,
                                const float *sxb, int nblk, float *y, int ldy, const int NR) {
-    const int q4 = kind == KIND_Q4, sa = q4 ? 1 : 2, ob = q4 ? 16 : 1;
+    const int sa = q4 ? 1 : 2, ob = q4 ? 16 : 1; /* compile-time constants: each caller passes a literal */
     for (int h = 0; h < 2; h++) {
         const float *Ph = P + 16 * h;
         __m256 a[3][2], e[3][2];
@@ -252,16 +252,22 @@ AVX2_INLINE void blk_rows_avx2(int kind, const float *P, const uint8_t *c, const
 }
 
 /* y[n][0..31] (stride ldy, zeroed by the caller) += one block (chunk c, unpacked in P) against x rows 0..n-1 */
-AVX2_FN void blk_gemm_avx2(int kind, const float *P, const uint8_t *c, const float *xb, int ldx, const float *sxb,
-                           int nblk, int n, float *y, int ldy) {
+AVX2_INLINE void blk_gemm_kind_avx2(const int q4, const float *P, const uint8_t *c, const float *xb, int ldx,
+                                    const float *sxb, int nblk, int n, float *y, int ldy) {
     int n0 = 0;
     for (; n0 + 3 <= n; n0 += 3)
-        blk_rows_avx2(kind, P, c, xb + (size_t)n0 * ldx, ldx, sxb + (size_t)n0 * nblk, nblk, y + (size_t)n0 * ldy,
-                      ldy, 3);
-    const float *xr = xb + (size_t)n0 * ldx, *sr = sxb + (size_t)n0 * nblk;
+        blk_rows_avx2(q4, P, c, xb + (size_t)n0 * ldx, ldx, sxb ? sxb + (size_t)n0 * nblk : NULL, nblk,
+                      y + (size_t)n0 * ldy, ldy, 3);
+    const float *xr = xb + (size_t)n0 * ldx, *sr = sxb ? sxb + (size_t)n0 * nblk : NULL;
     float *yr = y + (size_t)n0 * ldy;
-    if (n - n0 == 1) blk_rows_avx2(kind, P, c, xr, ldx, sr, nblk, yr, ldy, 1);
-    else if (n - n0 == 2) blk_rows_avx2(kind, P, c, xr, ldx, sr, nblk, yr, ldy, 2);
+    if (n - n0 == 1) blk_rows_avx2(q4, P, c, xr, ldx, sr, nblk, yr, ldy, 1);
+    else if (n - n0 == 2) blk_rows_avx2(q4, P, c, xr, ldx, sr, nblk, yr, ldy, 2);
+}
+
+AVX2_FN void blk_gemm_avx2(int kind, const float *P, const uint8_t *c, const float *xb, int ldx, const float *sxb,
+                           int nblk, int n, float *y, int ldy) {
+    if (kind == KIND_Q4) blk_gemm_kind_avx2(1, P, c, xb, ldx, sxb, nblk, n, y, ldy);
+    else blk_gemm_kind_avx2(0, P, c, xb, ldx, sxb, nblk, n, y, ldy);
 }
 
 AVX2_FN void block_sums_avx2(const float *x, int n, int ldx, int nblk, float *sx) {

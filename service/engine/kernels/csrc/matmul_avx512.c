@@ -147,9 +147,9 @@ AVX512_FN void unpack_block_avx512(int kind, const uint8_t *c, float *P) {
 
 /* NR (<= 6) rows of x against one unpacked block: y[n][0..31] = fma(d, A + B, fma(m, s, y)) (Q4) or
  * fma(d, A + B, y) (Q8), chains A/B over the block's columns in the order of the direct kernels. */
-AVX512_INLINE void blk_rows_avx512(int kind, const float *P, const uint8_t *c, const float *xb, int ldx,
+AVX512_INLINE void blk_rows_avx512(const int q4, const float *P, const uint8_t *c, const float *xb, int ldx,
                                    const float *sxb, int nblk, float *y, int ldy, const int NR) {
-    const int q4 = kind == KIND_Q4, sa = q4 ? 1 : 2, ob = q4 ? 16 : 1;
+    const int sa = q4 ? 1 : 2, ob = q4 ? 16 : 1; /* compile-time constants: each caller passes a literal */
     __m512 a[6][2], e[6][2];
     for (int n = 0; n < NR; n++) a[n][0] = a[n][1] = e[n][0] = e[n][1] = _mm512_setzero_ps();
     for (int i = 0; i < 16; i++) {
@@ -179,20 +179,26 @@ AVX512_INLINE void blk_rows_avx512(int kind, const float *P, const uint8_t *c, c
 }
 
 /* y[n][0..31] (stride ldy, zeroed by the caller) += one block (chunk c, unpacked in P) against x rows 0..n-1 */
-AVX512_FN void blk_gemm_avx512(int kind, const float *P, const uint8_t *c, const float *xb, int ldx, const float *sxb,
-                               int nblk, int n, float *y, int ldy) {
+AVX512_INLINE void blk_gemm_kind_avx512(const int q4, const float *P, const uint8_t *c, const float *xb, int ldx,
+                                        const float *sxb, int nblk, int n, float *y, int ldy) {
     int n0 = 0;
     for (; n0 + 6 <= n; n0 += 6)
-        blk_rows_avx512(kind, P, c, xb + (size_t)n0 * ldx, ldx, sxb + (size_t)n0 * nblk, nblk, y + (size_t)n0 * ldy,
-                        ldy, 6);
-    const float *xr = xb + (size_t)n0 * ldx, *sr = sxb + (size_t)n0 * nblk;
+        blk_rows_avx512(q4, P, c, xb + (size_t)n0 * ldx, ldx, sxb ? sxb + (size_t)n0 * nblk : NULL, nblk,
+                        y + (size_t)n0 * ldy, ldy, 6);
+    const float *xr = xb + (size_t)n0 * ldx, *sr = sxb ? sxb + (size_t)n0 * nblk : NULL;
     float *yr = y + (size_t)n0 * ldy;
     switch (n - n0) {
         case 0: break;
-        case 1: blk_rows_avx512(kind, P, c, xr, ldx, sr, nblk, yr, ldy, 1); break;
-        case 2: blk_rows_avx512(kind, P, c, xr, ldx, sr, nblk, yr, ldy, 2); break;
-        case 3: blk_rows_avx512(kind, P, c, xr, ldx, sr, nblk, yr, ldy, 3); break;
-        case 4: blk_rows_avx512(kind, P, c, xr, ldx, sr, nblk, yr, ldy, 4); break;
-        default: blk_rows_avx512(kind, P, c, xr, ldx, sr, nblk, yr, ldy, 5); break;
+        case 1: blk_rows_avx512(q4, P, c, xr, ldx, sr, nblk, yr, ldy, 1); break;
+        case 2: blk_rows_avx512(q4, P, c, xr, ldx, sr, nblk, yr, ldy, 2); break;
+        case 3: blk_rows_avx512(q4, P, c, xr, ldx, sr, nblk, yr, ldy, 3); break;
+        case 4: blk_rows_avx512(q4, P, c, xr, ldx, sr, nblk, yr, ldy, 4); break;
+        default: blk_rows_avx512(q4, P, c, xr, ldx, sr, nblk, yr, ldy, 5); break;
     }
+}
+
+AVX512_FN void blk_gemm_avx512(int kind, const float *P, const uint8_t *c, const float *xb, int ldx, const float *sxb,
+                               int nblk, int n, float *y, int ldy) {
+    if (kind == KIND_Q4) blk_gemm_kind_avx512(1, P, c, xb, ldx, sxb, nblk, n, y, ldy);
+    else blk_gemm_kind_avx512(0, P, c, xb, ldx, sxb, nblk, n, y, ldy);
 }
