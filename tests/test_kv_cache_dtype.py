@@ -8,15 +8,22 @@ cache is what it always was.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
+from service.__main__ import config_from_args, parse_args
+from service.api.llm.servicer import model_info
+from service.backends.native import _info as native_info
 from service.config import KV_CACHE_DTYPES, NativeConfig
+from service.engine.core import EngineCore
 from service.engine.kernels.attention import paged_causal_attention
 from service.engine.kernels.backend import BACKEND
 from service.engine.kernels.kv_cache import KV_FORMATS, KVCache, decode, encode, kv_format
 from service.engine.kernels.ops import write_kv
 from service.engine.kernels.paged_attention import DecodeAttention
+from service.request import GenerateRequest, SamplingParams
 
 needs_ext = pytest.mark.skipif(BACKEND.ext is None, reason="the compiled kernels extension is not built")
 H, KV, HD, BS, NB = 4, 2, 32, 8, 12
@@ -118,3 +125,43 @@ def test_budget_and_config_know_the_types() -> None:
     cache = KVCache(2, 3, 4, 3, 64, "int8")
     assert cache.nbytes == 2 * 2 * 3 * 4 * per_slot["int8"]
     assert cache.k.dtype == np.int8 and cache.k_scale.shape == (2, 3, 4, 3)
+
+
+def test_the_flag_reaches_the_config_and_a_bad_value_names_it(capsys: pytest.CaptureFixture) -> None:
+    cfg = config_from_args(parse_args(["--engine", "e", "--kv-cache-dtype", "bfloat16"]))
+    assert cfg.backend.native.kv_cache_dtype == "bfloat16"
+    assert config_from_args(parse_args(["--engine", "e"])).backend.native.kv_cache_dtype == "float32"
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--engine", "e", "--kv-cache-dtype", "fp8"])
+    assert exc.value.code == 2
+    assert "argument --kv-cache-dtype: invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", KV_CACHE_DTYPES)
+def test_engine_budget_and_model_info_name_the_type(tiny_engine_dir, dtype: str) -> None:
+    """The same KV budget holds 2x the float32 blocks in float16 / bfloat16 and about 4x in int8 (scales
+    included); GetModelInfo names the type the engine runs with."""
+    core = EngineCore(tiny_engine_dir, kv_cache_memory="4MiB", kv_cache_dtype=dtype)
+    float32 = EngineCore(tiny_engine_dir, kv_cache_memory="4MiB")
+    assert core.runner.kv_cache.k.dtype == KV_FORMATS[dtype].storage
+    arch = core.config.arch
+    ratio = KV_FORMATS["float32"].bytes_per_slot(arch.num_key_value_heads, arch.head_dim) / KV_FORMATS[
+        dtype
+    ].bytes_per_slot(arch.num_key_value_heads, arch.head_dim)
+    assert core.sched_cfg.num_kv_blocks == pytest.approx(float32.sched_cfg.num_kv_blocks * ratio, abs=1)
+    assert core.runner.kv_cache.nbytes <= 4 * 2**20
+    info = native_info(core, max_queue=1)
+    assert info.kv_cache_dtype == dtype
+    assert model_info(SimpleNamespace(info=info, tokenizer=core.tokenizer), 8).kv_cache_dtype == dtype
+
+
+def test_greedy_tokens_of_a_narrow_cache_run_end_to_end(tiny_engine_dir) -> None:
+    """Prefill chunks and decodes through the engine with each type: the requests finish with their tokens."""
+    outs = {}
+    for dtype in KV_CACHE_DTYPES:
+        core = EngineCore(tiny_engine_dir, num_kv_blocks=32, kv_cache_dtype=dtype, max_num_batched_tokens=16)
+        prompt = list(range(3, 60))
+        gen = GenerateRequest("r", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        outs[dtype] = [t for o in core.generate([gen])["r"] for t in o.new_token_ids]
+    assert all(len(t) == 8 for t in outs.values())
+    assert outs["float16"] == outs["float32"]  # the tiny model's margins are wide enough for float16

@@ -244,4 +244,5 @@ def _info(core: EngineCore, max_queue: int) -> BackendInfo:
         prefix_caching=sched.enable_prefix_caching,
         max_queue=max_queue,
         constraint_kinds=SUPPORTED_KINDS,
+        kv_cache_dtype=core.runner.kv_cache.fmt.name,
     )
