@@ -8,8 +8,10 @@
  * never depending on the batch or on how idle the pool is), each span's partial (max, exp-sum, unnormalized
  * output of up to 4 query heads sharing a KV head) computed by attn_span, the spans combined in order by
  * attn_combine (flash-decoding's combination). How the work is cut into tasks only decides where those same
- * operations run: a task per (sequence, head chunk, span) when (sequence, head chunk) tasks would leave the
- * pool idle (few sequences, long contexts), else a task per (sequence, head chunk) doing its spans in turn.
+ * operations run: a task per (sequence, span) when a task per sequence would leave the pool idle (few
+ * sequences, long contexts), else a task per sequence doing its spans in turn; either way a task goes over
+ * the head chunks of one span in turn, the span's K and V rows (every KV head of a slot side by side) read from
+ * memory once.
  * The prefill kernel (attention.c) runs every query row through the same two functions.
  */
 #include <math.h>
@@ -18,6 +20,8 @@
 #include <string.h>
 
 #include "kernels.h"
+
+#define KV_PREFETCH 8 /* keys ahead the score pass prefetches K rows */
 
 size_t kv_item_bytes(int dtype) { return dtype == KV_F32 ? 4 : dtype == KV_I8 ? 1 : 2; }
 
@@ -33,23 +37,24 @@ AVX2_INLINE __m256 load8(const char *p, const int dt) { /* 8 stored values widen
 
 /* two passes over the span's K, V (scores, then P V), each row read once for the R heads; int8: the K scale
  * multiplies the score, the V scale the probability */
-AVX2_INLINE void span_avx2(const kv_layer_t *L, const int64_t *table, int kvh, const float *q, const int R,
-                           const int dt, int j0, int j1, float *pm, float *po) {
-    const int hd = L->hd, bs = L->bs, n = j1 - j0, nv = hd / 8;
-    const size_t isz = dt == KV_F32 ? 4 : dt == KV_I8 ? 1 : 2;
+AVX2_INLINE void span_avx2(const kv_layer_t *L, const size_t *at, int kvh, const float *q, const int R,
+                           const int dt, int n, float *pm, float *po) {
+    const int hd = L->hd, nv = hd / 8;
+    const size_t isz = dt == KV_F32 ? 4 : dt == KV_I8 ? 1 : 2, row = hd * isz;
     const char *kbase = L->k, *vbase = L->v;
     float s[4][ATTN_SPAN] __attribute__((aligned(32)));
     for (int jj = 0; jj < n; jj++) {
-        const int j = j0 + jj;
-        const size_t at = ((size_t)table[j / bs] * bs + j % bs) * L->KV + kvh; /* (slot, KV head) */
-        const char *kj = kbase + at * hd * isz;
+        if (jj + KV_PREFETCH < n) /* K rows a few keys ahead, and this key's V row for the second pass */
+            for (size_t b = 0; b < row; b += 64) _mm_prefetch(kbase + at[jj + KV_PREFETCH] * row + b, _MM_HINT_T0);
+        for (size_t b = 0; b < row; b += 64) _mm_prefetch(vbase + at[jj] * row + b, _MM_HINT_T0);
+        const char *kj = kbase + at[jj] * row;
         __m256 a[4];
         for (int r = 0; r < R; r++) a[r] = _mm256_setzero_ps();
         for (int c = 0; c < nv; c++) {
             const __m256 kc = load8(kj + 8 * c * isz, dt);
             for (int r = 0; r < R; r++) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * hd + 8 * c), kc, a[r]);
         }
-        for (int r = 0; r < R; r++) s[r][jj] = dt == KV_I8 ? hsum256(a[r]) * L->ks[at] : hsum256(a[r]);
+        for (int r = 0; r < R; r++) s[r][jj] = dt == KV_I8 ? hsum256(a[r]) * L->ks[at[jj]] : hsum256(a[r]);
     }
     for (int r = 0; r < R; r++) { /* softmax statistics per head; s becomes exp(s - m) */
         float *sr = s[r], m = -INFINITY, total;
@@ -75,11 +80,9 @@ AVX2_INLINE void span_avx2(const kv_layer_t *L, const int64_t *table, int kvh, c
         __m256 o0[4], o1[4];
         for (int r = 0; r < R; r++) o0[r] = o1[r] = _mm256_setzero_ps();
         for (int jj = 0; jj < n; jj++) {
-            const int j = j0 + jj;
-            const size_t at = ((size_t)table[j / bs] * bs + j % bs) * L->KV + kvh;
-            const char *vj = vbase + (at * hd + 8 * c0) * isz;
+            const char *vj = vbase + at[jj] * row + 8 * c0 * isz;
             const __m256 v0 = load8(vj, dt), v1 = two ? load8(vj + 8 * isz, dt) : _mm256_setzero_ps();
-            const float vsc = dt == KV_I8 ? L->vs[at] : 1.0f;
+            const float vsc = dt == KV_I8 ? L->vs[at[jj]] : 1.0f;
             for (int r = 0; r < R; r++) {
                 const __m256 p = _mm256_set1_ps(dt == KV_I8 ? s[r][jj] * vsc : s[r][jj]);
                 o0[r] = _mm256_fmadd_ps(p, v0, o0[r]);
@@ -93,7 +96,7 @@ AVX2_INLINE void span_avx2(const kv_layer_t *L, const int64_t *table, int kvh, c
     }
 }
 
-#define SPAN_DT(R, dt) span_avx2(L, table, kvh, q, R, dt, j0, j1, pm, po)
+#define SPAN_DT(R, dt) span_avx2(L, at, kvh, q, R, dt, n, pm, po)
 #define SPAN_R(dt)                             \
     switch (R) {                               \
     case 1: SPAN_DT(1, dt); break;             \
@@ -103,9 +106,8 @@ AVX2_INLINE void span_avx2(const kv_layer_t *L, const int64_t *table, int kvh, c
     }
 
 /* one compiled instance per (R, stored type), called by both kernels: the same instructions for a query */
-AVX2_FN __attribute__((noinline)) static void attn_span_avx2(const kv_layer_t *L, const int64_t *table, int kvh,
-                                                             const float *q, int R, int j0, int j1, float *pm,
-                                                             float *po) {
+AVX2_FN __attribute__((noinline)) static void attn_span_avx2(const kv_layer_t *L, const size_t *at, int kvh,
+                                                             const float *q, int R, int n, float *pm, float *po) {
     switch (L->dtype) {
     case KV_F16: SPAN_R(KV_F16); break;
     case KV_BF16: SPAN_R(KV_BF16); break;
@@ -143,19 +145,16 @@ static float kv_value(const kv_layer_t *L, const void *base, size_t i) { /* elem
     }
 }
 
-static void span_generic(const kv_layer_t *L, const int64_t *table, int kvh, const float *q, int R, int j0, int j1,
-                         float *pm, float *po) {
-    const int hd = L->hd, bs = L->bs, n = j1 - j0, i8 = L->dtype == KV_I8;
+static void span_generic(const kv_layer_t *L, const size_t *at, const float *q, int R, int n, float *pm, float *po) {
+    const int hd = L->hd, i8 = L->dtype == KV_I8;
     float s[ATTN_SPAN];
     for (int r = 0; r < R; r++) {
         const float *qr = q + r * hd;
         float m = -INFINITY, total = 0.0f, *o = po + r * hd;
         for (int jj = 0; jj < n; jj++) {
-            const int j = j0 + jj;
-            const size_t at = ((size_t)table[j / bs] * bs + j % bs) * L->KV + kvh;
             float d = 0.0f;
-            for (int c = 0; c < hd; c++) d += qr[c] * kv_value(L, L->k, at * hd + c);
-            s[jj] = i8 ? d * L->ks[at] : d;
+            for (int c = 0; c < hd; c++) d += qr[c] * kv_value(L, L->k, at[jj] * hd + c);
+            s[jj] = i8 ? d * L->ks[at[jj]] : d;
             m = fmaxf(m, s[jj]);
         }
         for (int jj = 0; jj < n; jj++) {
@@ -166,10 +165,8 @@ static void span_generic(const kv_layer_t *L, const int64_t *table, int kvh, con
         pm[r * 2 + 1] = total;
         for (int c = 0; c < hd; c++) o[c] = 0.0f;
         for (int jj = 0; jj < n; jj++) {
-            const int j = j0 + jj;
-            const size_t at = ((size_t)table[j / bs] * bs + j % bs) * L->KV + kvh;
-            const float p = i8 ? s[jj] * L->vs[at] : s[jj];
-            for (int c = 0; c < hd; c++) o[c] += p * kv_value(L, L->v, at * hd + c);
+            const float p = i8 ? s[jj] * L->vs[at[jj]] : s[jj];
+            for (int c = 0; c < hd; c++) o[c] += p * kv_value(L, L->v, at[jj] * hd + c);
         }
     }
 }
@@ -178,8 +175,14 @@ static int span_avx2_ok(const kv_layer_t *L) { return g_avx2 && L->hd % 8 == 0; 
 
 void attn_span(const kv_layer_t *L, const int64_t *table, int kvh, const float *q, int R, int j0, int j1, float *pm,
                float *po) {
-    if (span_avx2_ok(L)) attn_span_avx2(L, table, kvh, q, R, j0, j1, pm, po);
-    else span_generic(L, table, kvh, q, R, j0, j1, pm, po);
+    size_t at[ATTN_SPAN]; /* each key's (slot, KV head): the block table walked once, no division per key */
+    const int bs = L->bs, n = j1 - j0;
+    for (int jj = 0, blk = j0 / bs, off = j0 % bs; jj < n; jj++) {
+        at[jj] = ((size_t)table[blk] * bs + off) * L->KV + kvh;
+        if (++off == bs) off = 0, blk++;
+    }
+    if (span_avx2_ok(L)) attn_span_avx2(L, at, kvh, q, R, n, pm, po);
+    else span_generic(L, at, q, R, n, pm, po);
 }
 
 void attn_combine(const float *pm, size_t pm_stride, const float *po, size_t po_stride, int S, int hd, float *out) {
@@ -203,7 +206,7 @@ typedef struct {
     int B, H, G, per_kv, chunks;
     const int64_t *span0; /* [B + 1] each sequence's first span among all of the step's spans */
     const int *seq;       /* per_span: the sequence of each of the step's spans */
-    int per_span;         /* 1: a task per (span, head chunk), then combine tasks; 0: a task per (sequence, chunk) */
+    int per_span;         /* 1: a task per span, then a combine task per sequence; 0: a task per sequence */
     float *pm, *po;       /* partials [spans][chunks][4][2], [spans][chunks][4][hd] */
 } __attribute__((aligned(CACHE_LINE))) dattn_t; /* whole cache lines (kernels.h) */
 
@@ -233,22 +236,27 @@ static void dattn_combine(const dattn_t *A, int b, int chunk) {
                      S, hd, A->out + ((size_t)b * A->H + hc.h0 + r) * hd);
 }
 
-static void task_span(void *ctx, int task) { /* per_span: task = global span * chunks + chunk */
-    const dattn_t *A = ctx;
-    const int g = task / A->chunks, b = A->seq[g];
-    dattn_span(A, b, task % A->chunks, g - (int)A->span0[b]);
+/* a task's unit: every head chunk of one (sequence, span) in turn, so the span's K and V rows (all KV heads of a
+ * slot side by side) are read from memory once and from cache for the other chunks */
+static void sequence_span(const dattn_t *A, int b, int sp) {
+    for (int chunk = 0; chunk < A->chunks; chunk++) dattn_span(A, b, chunk, sp);
 }
 
-static void task_combine(void *ctx, int task) {
+static void task_span(void *ctx, int task) { /* per_span: task = one of the step's spans */
     const dattn_t *A = ctx;
-    dattn_combine(A, task / A->chunks, task % A->chunks);
+    const int b = A->seq[task];
+    sequence_span(A, b, task - (int)A->span0[b]);
 }
 
-static void task_sequence(void *ctx, int task) { /* a (sequence, chunk): its spans in turn, then the combination */
+static void task_combine(void *ctx, int b) {
     const dattn_t *A = ctx;
-    const int b = task / A->chunks, chunk = task % A->chunks;
-    for (int sp = 0; sp < (int)(A->span0[b + 1] - A->span0[b]); sp++) dattn_span(A, b, chunk, sp);
-    dattn_combine(A, b, chunk);
+    for (int chunk = 0; chunk < A->chunks; chunk++) dattn_combine(A, b, chunk);
+}
+
+static void task_sequence(void *ctx, int b) { /* a sequence: its spans in turn, then the combination */
+    const dattn_t *A = ctx;
+    for (int sp = 0; sp < (int)(A->span0[b + 1] - A->span0[b]); sp++) sequence_span(A, b, sp);
+    task_combine(ctx, b);
 }
 
 static void run_tasks(task_fn fn, void *ctx, int ntasks, int threads) {
@@ -265,7 +273,7 @@ int decode_attention(const float *q, const kv_layer_t *L, const int64_t *tables,
     for (int b = 0; b < B; b++) span0[b + 1] = span0[b] + (lens[b] + ATTN_SPAN - 1) / ATTN_SPAN;
     const int64_t spans = span0[B];
     const int nthreads = pool_threads();
-    const int per_span = threads != 1 && nthreads > 1 && (long)B * chunks < 4 * nthreads && spans * chunks < 65536;
+    const int per_span = threads != 1 && nthreads > 1 && B < 4 * nthreads && spans < 65536;
     float *pm = malloc((size_t)spans * chunks * 4 * (hd + 2) * sizeof(float));
     int *seq = per_span ? malloc((size_t)spans * sizeof(int)) : NULL;
     if (!pm || (per_span && !seq)) {
@@ -279,10 +287,10 @@ int decode_attention(const float *q, const kv_layer_t *L, const int64_t *tables,
     if (per_span) {
         for (int b = 0; b < B; b++)
             for (int64_t g = span0[b]; g < span0[b + 1]; g++) seq[g] = b;
-        run_tasks(task_span, &A, (int)(spans * chunks), threads);
-        run_tasks(task_combine, &A, B * chunks, threads);
+        run_tasks(task_span, &A, (int)spans, threads);
+        run_tasks(task_combine, &A, B, threads);
     } else {
-        run_tasks(task_sequence, &A, B * chunks, threads);
+        run_tasks(task_sequence, &A, B, threads);
     }
     free(span0);
     free(pm);
