@@ -15,7 +15,8 @@ quality: perplexity of the bundled text and agreement with transformers' greedy 
 (benchmarks/quality.py, tests/golden), per KV type, against float32.
 attention: the compiled prefill and decode attention of this checkout against another build of the extension
 (e.g. main's: `git worktree add /tmp/base main && cd /tmp/base && python setup.py build_ext --inplace`), float32,
-calls alternated A/B in one process: what batch invariance costs.
+calls alternated A/B in one process: what batch invariance costs; and a whole 512-token prefill step of the engine
+with either build's prefill attention (the rest of the step the same).
 """
 
 from __future__ import annotations
@@ -191,6 +192,43 @@ def attention_cases(rng: np.random.Generator) -> dict:
     return cases
 
 
+class Untyped:
+    """The baseline build behind this checkout's paged_attention call (float32 caches only): the engine's prefill
+    attention run by the other build, for the end-to-end A/B."""
+
+    def __init__(self, ext: ModuleType) -> None:
+        self.ext = ext
+
+    def paged_attention(self, q, k, v, k_scale, v_scale, table, out, *ints) -> None:
+        self.ext.paged_attention(q, k, v, table, out, *ints[:-1])
+
+    def attention(self, *a) -> None:
+        self.ext.attention(*a)
+
+
+def prefill_steps(engine: str, baseline: ModuleType, rounds: int, n: int = 512) -> tuple[list[float], list[float]]:
+    """An n-token first prefill chunk of the engine with this build's prefill attention and the baseline's
+    (service.engine.kernels.attention's extension swapped per call), alternated: seconds per step each."""
+    from service.engine.kernels import attention
+
+    runner = NumpyRunner(engine, num_kv_blocks=-(-n // 16) + 1)
+    prompt = np.random.default_rng(2).integers(100, 1000, n).tolist()
+    batch = ForwardBatch.from_chunks([SeqChunk(prompt, 0, list(range(runner.num_kv_blocks)))], runner.block_size)
+    ours, theirs = attention._C, Untyped(baseline)
+    times: tuple[list[float], list[float]] = ([], [])
+    try:
+        for r in range(rounds):
+            for which in (0, 1) if r % 2 == 0 else (1, 0):
+                attention._C = theirs if which == 0 else ours
+                runner.execute(batch)
+                start = time.perf_counter()
+                runner.execute(batch)
+                times[which].append(time.perf_counter() - start)
+    finally:
+        attention._C = ours
+    return times
+
+
 def cmd_attention(args: argparse.Namespace) -> None:
     builds = {"baseline": Attention(load_extension(args.baseline)), "this": Attention(BACKEND.ext)}
     for b in builds.values():
@@ -213,6 +251,13 @@ def cmd_attention(args: argparse.Namespace) -> None:
             f"{a * 1e3:.2f} / {b * 1e3:.2f}" for a, b in zip(times["baseline"], times["this"], strict=True)
         )
         print(f"| {label} | {base * 1e3:.2f} | {this * 1e3:.2f} | {this / base:.2f} | {spread} |", flush=True)
+    if args.engine:
+        base, this = prefill_steps(args.engine, builds["baseline"].ext, args.rounds)
+        spread = "; ".join(f"{a * 1e3:.0f} / {b * 1e3:.0f}" for a, b in zip(base, this, strict=True))
+        b, t = statistics.median(base), statistics.median(this)
+        print(
+            f"| engine step: 512-token first prefill chunk | {b * 1e3:.1f} | {t * 1e3:.1f} | {t / b:.2f} | {spread} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -234,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     att.add_argument("--baseline", required=True, help="path of the other build's _kernels*.so")
     att.add_argument("--rounds", type=int, default=7)
     att.add_argument("--calls", type=int, default=5, help="calls timed together per round")
+    att.add_argument("--engine", default="engines/smollm2-135m", help="also a whole prefill step A/B ('' to skip)")
     args = p.parse_args(argv)
     for name in getattr(args, "dtypes", []):
         if name not in KV_CACHE_DTYPES:
