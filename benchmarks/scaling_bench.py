@@ -60,7 +60,7 @@ def decode_curve(engine: str, contexts: tuple[int, ...], batch: int, steps: int 
     rng = np.random.default_rng(1)
     # The KV arrays hold random values, not a prefill's: a step's time does not depend on them, and prefilling
     # 16 x 4096 tokens per context would take most of the benchmark's time.
-    for cache in (runner.k_cache, runner.v_cache):  # [L, num_blocks, block_size, KV, hd]
+    for cache in (runner.kv_cache.k, runner.kv_cache.v):  # [L, num_blocks, block_size, KV, hd] float32
         for layer in cache:
             layer[...] = rng.standard_normal(layer.shape, dtype=np.float32)
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]

@@ -20,6 +20,7 @@ from service.backends import preflight
 from service.config import (
     BACKENDS,
     FAILURE_POLICIES,
+    KV_CACHE_DTYPES,
     TRITON_MODELS,
     BackendConfig,
     ServerConfig,
@@ -80,6 +81,13 @@ FLAGS = (
         "backend.native.kv_cache_memory",
         "native KV cache budget: auto (max_batch_size x max_seq_len tokens, capped at 10%% of available memory), "
         "bytes (512MiB, 2GB) or a fraction of available memory",
+    ),
+    Flag(
+        "--kv-cache-dtype",
+        "backend.native.kv_cache_dtype",
+        "native KV cache's stored type: float32 (exact, the default), float16, bfloat16 (half the KV bytes) or "
+        "int8 (a quarter, with a float32 scale per token and KV head)",
+        choices=KV_CACHE_DTYPES,
     ),
     Flag(
         "--max-queue",

@@ -15,6 +15,7 @@ from build_engine.trtllm_runtime import TrtllmRuntime
 
 BACKENDS = ("native", "trtllm", "triton")
 FAILURE_POLICIES = ("exit", "recover")
+KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # the native KV cache's stored types (kernels/kv_cache.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +43,13 @@ class NativeConfig:
     # while decodes run, a prefill chunk costs at most this many tokens' work; None: a quarter of
     # max_num_tokens; 0: no cap (docs/scheduling.md)
     long_prefill_token_threshold: int | None = None
+    # the KV cache's stored type; float32 is exact (golden tests), the others halve or quarter the KV bytes a
+    # decode step reads (int8: a float32 scale per token and KV head beside it)
+    kv_cache_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,8 @@ from typing import Any
 
 from build_engine.spec import EngineFormatError
 from build_engine.verify import verify_engine
-from service.engine.core import DEFAULT_KV_CACHE_MEMORY, EngineCore
+from service.config import KV_CACHE_DTYPES
+from service.engine.core import DEFAULT_KV_CACHE_DTYPE, DEFAULT_KV_CACHE_MEMORY, EngineCore
 from service.errors import InvalidRequest
 from service.request import Constraint, GenerateRequest, RequestOutput, SamplingParams
 from service.tokenizer import ChatTemplateError, Tokenizer
@@ -48,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object per request instead of streaming text")
     p.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY, help="bytes (512MiB) or a fraction of RAM")
+    p.add_argument(
+        "--kv-cache-dtype", default=DEFAULT_KV_CACHE_DTYPE, choices=KV_CACHE_DTYPES, help="the KV cache's stored type"
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks of common prompt prefixes")
     p.add_argument(
         "--skip-verify",
@@ -183,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         verify_engine(args.engine, checksums=not args.skip_verify)
         engine = EngineCore(
-            args.engine, kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching
+            args.engine,
+            kv_cache_memory=args.kv_cache_memory,
+            kv_cache_dtype=args.kv_cache_dtype,
+            enable_prefix_caching=not args.no_prefix_caching,
         )
         gens = _requests(args, engine)
         for gen in gens:

@@ -1,6 +1,6 @@
 """The compiled causal attention (service/engine/kernels/csrc/attention.c) against the numpy one it replaces.
 
-Shapes cover the AVX2 path (head_dim a multiple of 16) and the portable one (other head sizes, or forced),
+Shapes cover the AVX2 path (head_dim a multiple of 8) and the portable one (other head sizes, or forced),
 GQA groups of 1 to 6 query heads per KV head, a first prefill chunk (n == ctx) and later ones (n < ctx), one
 thread and the pool. The paged-runner tests (test_paged_runner, test_quantized) run it inside whole models.
 """
@@ -10,13 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.engine.kernels.attention import (
-    causal_attention,
-    causal_attention_numpy,
-    paged_attention_in_place,
-    paged_causal_attention,
-)
+from service.engine.kernels.attention import causal_attention, causal_attention_numpy, paged_causal_attention
 from service.engine.kernels.backend import BACKEND
+from service.engine.kernels.kv_cache import KV_FORMATS, KVLayer
 from service.engine.kernels.paged_attention import DecodeAttention
 
 pytestmark = pytest.mark.skipif(
@@ -55,11 +51,17 @@ def test_compiled_attention_equals_numpy(shape: tuple, threads: int, isa) -> Non
     assert float(np.abs(out - ref).max() / np.abs(ref).max()) < 1e-5
 
 
+def float32_layer(k: np.ndarray, v: np.ndarray) -> KVLayer:
+    """A float32 paged cache layer over k, v [num_blocks, bs, KV, hd]."""
+    none = np.zeros(0, np.float32)
+    return KVLayer(k, v, none, none, KV_FORMATS["float32"])
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}-ctx{}-h{}-kv{}-hd{}".format(*s))
 @pytest.mark.parametrize("threads", [1, 0], ids=["1-thread", "pool"])
 def test_paged_attention_reads_the_blocks_in_place(shape: tuple, threads: int, isa) -> None:
     """The same attention read through a block table from a paged cache (scattered blocks, a partial last one):
-    bitwise the contiguous kernel's result; None where only the portable path could run (the caller gathers)."""
+    bitwise the contiguous kernel's result."""
     n, ctx, heads, kv_heads, hd = shape
     rng = np.random.default_rng(n * 7 + ctx)
     bs = 16
@@ -70,28 +72,17 @@ def test_paged_attention_reads_the_blocks_in_place(shape: tuple, threads: int, i
     table = rng.permutation(len(k_layer))[:nblk].astype(np.int64)
     k = k_layer[table].reshape(-1, kv_heads, hd)[:ctx]
     v = v_layer[table].reshape(-1, kv_heads, hd)[:ctx]
-    paged = paged_attention_in_place(q, k_layer, v_layer, table, ctx, threads)
     contiguous = causal_attention(q, k, v, threads)
-    if paged is None:  # the portable path: the runner gathers, then attention()
-        assert hd % 16 or hd > 256 or quant_is_generic()
-    else:
-        assert np.array_equal(paged, contiguous)
-    np.testing.assert_array_equal(paged_causal_attention(q, k_layer, v_layer, table, ctx, threads), contiguous)
-
-
-def quant_is_generic() -> bool:
-    out = np.empty((1, 16), np.float32)
-    one = np.zeros((1, 1, 1, 16), np.float32)
-    return not BACKEND.ext.paged_attention(np.zeros((1, 1, 16), np.float32), one, one, np.zeros(1, np.int64), out,
-                                        1, 1, 1, 1, 16, 1, 1, 1)  # fmt: skip
+    paged = paged_causal_attention(q, float32_layer(k_layer, v_layer), table, ctx, threads)
+    np.testing.assert_array_equal(paged, contiguous)
 
 
 def test_paged_attention_refuses_block_ids_outside_the_cache() -> None:
     q = np.zeros((2, 2, 16), np.float32)
-    cache = np.zeros((4, 16, 1, 16), np.float32)
+    cache, none = np.zeros((4, 16, 1, 16), np.float32), np.zeros(0, np.float32)
     with pytest.raises(ValueError, match="block id 4 out of range"):
-        BACKEND.ext.paged_attention(q, cache, cache, np.array([0, 4], np.int64), np.empty((2, 32), np.float32),
-                                    2, 20, 2, 1, 16, 16, 4, 1)  # fmt: skip
+        BACKEND.ext.paged_attention(q, cache, cache, none, none, np.array([0, 4], np.int64),
+                                    np.empty((2, 32), np.float32), 2, 20, 2, 1, 16, 16, 4, 1, 0)  # fmt: skip
 
 
 def test_large_scores_do_not_overflow() -> None:
@@ -125,7 +116,7 @@ def test_split_key_decode_attention_equals_float64(lens: tuple[int, ...]) -> Non
     q = rng.standard_normal((len(lens), H, hd), dtype=np.float32) * 0.3
     prepared = DecodeAttention.prepare([t.astype(np.int64) for t in tables], np.array(lens))
     # the pool (split-K), then the calling thread
-    results = [DecodeAttention("c")(q, k, v, prepared, threads) for threads in (0, 1)]
+    results = [DecodeAttention("c")(q, float32_layer(k, v), prepared, threads) for threads in (0, 1)]
     for b, n in enumerate(lens):
         slots = np.concatenate([np.arange(bs) + blk * bs for blk in tables[b]])[:n]
         kb = k.reshape(-1, KV, hd)[slots].astype(np.float64)  # [n, KV, hd]

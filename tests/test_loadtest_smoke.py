@@ -47,7 +47,7 @@ def test_short_sweep_writes_the_results_contract(engine_dir: Path, tmp_path: Pat
     assert code == 0 and rate == 0
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["meta"]["model"] == {"model_name": "tiny-random", "backend": "native", "dtype": "float32",
-                                       "weight_format": "float32"}  # fmt: skip
+                                       "weight_format": "float32", "kv_cache_dtype": "float32"}  # fmt: skip
     runs = result["runs"]
     assert [r["concurrency"] for r in runs] == [1, 4]
     for r in runs:

@@ -10,6 +10,7 @@ import pytest
 from build_engine.builder import build
 from build_engine.tiny import write_tiny_checkpoint
 from service.engine.kernels.backend import BACKEND
+from service.engine.kernels.kv_cache import KV_FORMATS
 from service.engine.runners.base import ForwardBatch, SeqChunk
 from service.engine.runners.numpy_runner import NumpyRunner
 from tests.naive_llama import NaiveLlama
@@ -28,12 +29,17 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def _runner(
-    checkpoint: Path, tmp: Path, block_size: int, num_blocks: int, decode: str = BACKEND.decode_attention
+    checkpoint: Path,
+    tmp: Path,
+    block_size: int,
+    num_blocks: int,
+    decode: str = BACKEND.decode_attention,
+    kv_cache_dtype: str = "float32",
 ) -> NumpyRunner:
     out = tmp / f"engine-bs{block_size}"
     if not out.exists():
         build(str(checkpoint), out, {"kv_block_size": block_size, "max_seq_len": 512}, progress=False)
-    return NumpyRunner(out, num_kv_blocks=num_blocks, decode_attention=decode)
+    return NumpyRunner(out, num_kv_blocks=num_blocks, decode_attention=decode, kv_cache_dtype=kv_cache_dtype)
 
 
 def _rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -95,6 +101,33 @@ def test_long_prefill_uses_chunked_causal_attention(checkpoint: Path, tmp_path: 
     ids = np.random.default_rng(3).integers(0, 267, size=300).tolist()
     logits = runner.execute(ForwardBatch.from_chunks([SeqChunk(ids, 0, list(range(20)))], 16))
     assert _rel_err(logits[0], NaiveLlama(checkpoint).forward(ids)[-1]) <= MAX_REL_ERR
+
+
+# the largest relative logit error of a narrower KV cache against the float32 one on the tiny models (measured
+# worst of the three shapes and decode kinds: 1.4e-4, 1.1e-3, 3.2e-3)
+KV_DTYPE_REL_ERR = {"float16": 1e-3, "bfloat16": 1e-2, "int8": 2e-2}
+
+
+@pytest.mark.parametrize("decode", ["c", "numba", "numpy"], ids=lambda d: f"{d}-decode")
+@pytest.mark.parametrize("dtype", sorted(KV_DTYPE_REL_ERR))
+def test_narrow_kv_cache_stays_near_float32(checkpoint: Path, tmp_path: Path, dtype: str, decode: str) -> None:
+    """A prompt in two prefill chunks, then decodes: the logits of a float16 / bfloat16 / int8 cache near the
+    float32 cache's (numba has no narrow kernel: that runner gathers and converts, decode kind numpy)."""
+    if (decode == "numba" and BACKEND.numba is None) or (decode == "c" and BACKEND.ext is None):
+        pytest.skip(f"no {decode} decode attention here")
+    ids = np.random.default_rng(4).integers(0, 267, size=60).tolist()
+    table = list(range(8))[::-1]
+    steps = [SeqChunk(ids[:40], 0, table), SeqChunk(ids[40:50], 40, table)]
+    steps += [SeqChunk([t], 50 + i, table) for i, t in enumerate(ids[50:])]
+    runners = [_runner(checkpoint, tmp_path, 16, 8, decode, d) for d in ("float32", dtype)]
+    assert runners[1].kv_cache.k.dtype == KV_FORMATS[dtype].storage
+    if decode == "numba":
+        assert runners[1].decode_attention is None  # gathers instead
+    worst = 0.0
+    for chunk in steps:
+        exact, narrow = (r.execute(ForwardBatch.from_chunks([chunk], 16)) for r in runners)
+        worst = max(worst, _rel_err(narrow[0], exact[0]))
+    assert 0 < worst <= KV_DTYPE_REL_ERR[dtype]
 
 
 def test_block_table_too_short_is_rejected() -> None:

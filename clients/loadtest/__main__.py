@@ -151,7 +151,7 @@ def served_model(args: argparse.Namespace) -> dict:
         llm_pb2.GetModelInfoRequest(), metadata=call_metadata(args), timeout=30
     )
     return {"model_name": info.model_name, "backend": info.backend, "dtype": info.dtype,
-            "weight_format": info.weight_format}  # fmt: skip
+            "weight_format": info.weight_format, "kv_cache_dtype": info.kv_cache_dtype or "not reported"}  # fmt: skip
 
 
 def _http_headers(args: argparse.Namespace) -> dict[str, str]:
@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.protocol == "openai":
             args.model = model["model_name"]  # what every request names
         console.print(f"model {model['model_name']}, weights {model['weight_format']}"
+                      + (f", KV cache {model['kv_cache_dtype']}" if "kv_cache_dtype" in model else "")
                       + (f", backend {model['backend']}" if "backend" in model else ""))  # fmt: skip
         runs = asyncio.run(run_sweep(args, console))
     except grpc.RpcError as err:

@@ -48,6 +48,7 @@ class BackendInfo:
     engine_format_version: int
     not_reported: tuple[str, ...] = ()  # what this backend cannot report (GetModelInfo says so)
     constraint_kinds: tuple[str, ...] = ()  # the Constraint kinds it compiles (service/request.py's names)
+    kv_cache_dtype: str = ""  # the KV cache's stored type (native: --kv-cache-dtype); "": not known to us
 
     @classmethod
     def of_engine(cls, config: spec.EngineConfig, backend: str, **limits: object) -> BackendInfo:

@@ -55,6 +55,7 @@ class NativeBackend(BackendRuntime):
         core = EngineCore(
             cfg.engine_dir,
             kv_cache_memory=cfg.native.kv_cache_memory,
+            kv_cache_dtype=cfg.native.kv_cache_dtype,
             enable_prefix_caching=cfg.prefix_caching,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_tokens,
@@ -243,4 +244,5 @@ def _info(core: EngineCore, max_queue: int) -> BackendInfo:
         prefix_caching=sched.enable_prefix_caching,
         max_queue=max_queue,
         constraint_kinds=SUPPORTED_KINDS,
+        kv_cache_dtype=core.runner.kv_cache.fmt.name,
     )

@@ -33,6 +33,7 @@ from service.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY = NativeConfig().kv_cache_memory  # the one default, in service/config.py
+DEFAULT_KV_CACHE_DTYPE = NativeConfig().kv_cache_dtype
 
 
 class EngineCore:
@@ -45,6 +46,7 @@ class EngineCore:
         *,
         num_kv_blocks: int | None = None,
         kv_cache_memory: str = DEFAULT_KV_CACHE_MEMORY,
+        kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE,
         enable_prefix_caching: bool = True,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
@@ -57,10 +59,16 @@ class EngineCore:
         self.kv_events = kv_events and enable_prefix_caching  # record the prefix cache's KV events (take_kv_events)
         self.config: EngineConfig = load_engine_config(engine_dir)
         self.tokenizer = Tokenizer.from_engine_dir(engine_dir)
-        bytes_per_block = NumpyRunner.kv_bytes_per_block(self.config)
+        bytes_per_block = NumpyRunner.kv_bytes_per_block(self.config, kv_cache_dtype)
         if num_kv_blocks is None:
             num_kv_blocks, budget = kv_blocks_for_budget(self.config, kv_cache_memory, bytes_per_block, max_num_seqs)
-            logger.info("KV cache budget %s = %.1f MiB -> %d blocks", kv_cache_memory, budget / 2**20, num_kv_blocks)
+            logger.info(
+                "KV cache budget %s = %.1f MiB of %s -> %d blocks",
+                kv_cache_memory,
+                budget / 2**20,
+                kv_cache_dtype,
+                num_kv_blocks,
+            )
         self.sched_cfg = SchedulerConfig.from_engine(
             self.config,
             num_kv_blocks,
@@ -69,7 +77,9 @@ class EngineCore:
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
         )
-        self.runner = NumpyRunner(engine_dir, num_kv_blocks=num_kv_blocks, config=self.config)
+        self.runner = NumpyRunner(
+            engine_dir, num_kv_blocks=num_kv_blocks, config=self.config, kv_cache_dtype=kv_cache_dtype
+        )
         self.clock = clock
         self.sampler = Sampler(sampler_seed)
         self.reset()

@@ -204,4 +204,5 @@ def model_info(backend: Backend, max_concurrent_rpcs: int) -> llm_pb2.ModelInfo:
         max_concurrent_rpcs=max_concurrent_rpcs,
         not_reported=list(i.not_reported),
         constraint_kinds=[CONSTRAINT_FIELDS[k] for k in i.constraint_kinds],
+        kv_cache_dtype=i.kv_cache_dtype,
     )

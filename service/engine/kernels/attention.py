@@ -1,5 +1,6 @@
 """Causal grouped-query attention of one sequence's new queries over its context (prefill chunks): compiled where
-the extension is built (online softmax, no score matrix; csrc/attention.c), else numpy with BLAS score matrices.
+the extension is built (no score matrix; every row as decode attention computes it, csrc/attention.c), else
+numpy with BLAS score matrices.
 
 threads: 1 runs the compiled kernel on the calling thread, 0 on the kernels' pool (threads.ThreadPolicy).
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from service.engine.kernels.backend import BACKEND
+from service.engine.kernels.kv_cache import KVLayer
 
 _C = BACKEND.ext
 
@@ -34,34 +36,23 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, threads: int) 
     return out
 
 
-def paged_causal_attention(
-    q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table: np.ndarray, ctx: int, threads: int
-) -> np.ndarray:
-    """causal_attention over a sequence's blocks of a layer's cache ([num_blocks, block_size, KV, hd]): read in
-    place by the compiled kernel where it can, else gathered into a contiguous copy first."""
-    out = paged_attention_in_place(q, k_layer, v_layer, table, ctx, threads)
-    if out is not None:
-        return out
-    kv, hd = k_layer.shape[2], k_layer.shape[3]
-    k = np.take(k_layer, table, axis=0).reshape(-1, kv, hd)[:ctx]  # [ctx, KV, hd] gathered
-    v = np.take(v_layer, table, axis=0).reshape(-1, kv, hd)[:ctx]
-    return causal_attention(q, k, v, threads)
+def paged_causal_attention(q: np.ndarray, kv: KVLayer, table: np.ndarray, ctx: int, threads: int) -> np.ndarray:
+    """causal_attention over a sequence's blocks of a layer's cache (k, v [num_blocks, block_size, KV, hd] of its
+    stored type): read in place by the compiled kernel, each query row computed as decode attention computes
+    that position's query (csrc/attention.c); without the extension, gathered into float32 copies first.
 
-
-def paged_attention_in_place(
-    q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, table: np.ndarray, ctx: int, threads: int
-) -> np.ndarray | None:
-    """The compiled causal attention read in place through the block table (int64, covering ctx keys); None
-    where it cannot run (no extension, or only its portable path could: the caller gathers the blocks)."""
+    q: [n, H, hd] the last n of ctx positions; table: int64 block ids covering ctx keys; returns [n, H * hd]"""
     if _C is None:
-        return None
+        k, v = kv.dense(table, ctx)  # [ctx, KV, hd] float32
+        return causal_attention_numpy(q, k, v)
     n, heads, hd = q.shape
-    num_blocks, block_size, kv_heads, _ = k_layer.shape
+    num_blocks, block_size, kv_heads, _ = kv.k.shape
     q = np.ascontiguousarray(q, dtype=np.float32)
     out = np.empty((n, heads * hd), dtype=np.float32)  # [n, H * hd]
     table = np.ascontiguousarray(table, dtype=np.int64)
-    args = (n, ctx, heads, kv_heads, hd, block_size, num_blocks, threads)
-    return out if _C.paged_attention(q, k_layer, v_layer, table, out, *args) else None
+    args = (n, ctx, heads, kv_heads, hd, block_size, num_blocks, threads, kv.fmt.code)
+    _C.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, table, out, *args)
+    return out
 
 
 def causal_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:

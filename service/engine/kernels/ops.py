@@ -12,6 +12,7 @@ import numpy as np
 from build_engine.packing import PackedMatrix, dequantize_rows
 from service.engine.kernels import matmul as quant
 from service.engine.kernels.backend import BACKEND
+from service.engine.kernels.kv_cache import KVLayer, encode
 
 _C = BACKEND.ext
 
@@ -54,17 +55,24 @@ def embedding_rows(table: np.ndarray | PackedMatrix, token_ids: np.ndarray) -> n
     return table[token_ids]
 
 
-def write_kv(k_cache: np.ndarray, v_cache: np.ndarray, qkv: np.ndarray, slot_mapping: np.ndarray, n_heads: int) -> None:
-    """K and V of each new token into its slot of one layer's cache.
+def write_kv(kv: KVLayer, qkv: np.ndarray, slot_mapping: np.ndarray, n_heads: int) -> None:
+    """K and V of each new token into its slot of one layer's cache, converted to the stored type.
 
-    k_cache, v_cache: [num_blocks, block_size, KV, hd]; qkv: [T, H + 2 KV, hd]; slot_mapping: [T] int64."""
+    kv: k, v [num_blocks, block_size, KV, hd]; qkv: [T, H + 2 KV, hd]; slot_mapping: [T] int64."""
     T, _, hd = qkv.shape
-    kv = k_cache.shape[2]
+    num_blocks, block_size, n_kv, _ = kv.k.shape
     if _C is not None:
-        _C.write_kv(k_cache, v_cache, qkv, slot_mapping, T, n_heads, kv, hd, k_cache.shape[0] * k_cache.shape[1])
+        args = (T, n_heads, n_kv, hd, num_blocks * block_size, kv.fmt.code)
+        _C.write_kv(kv.k, kv.v, kv.k_scale, kv.v_scale, qkv, slot_mapping, *args)
         return
-    k_cache.reshape(-1, kv, hd)[slot_mapping] = qkv[:, n_heads : n_heads + kv]
-    v_cache.reshape(-1, kv, hd)[slot_mapping] = qkv[:, n_heads + kv :]
+    for cache, scales, heads in (
+        (kv.k, kv.k_scale, qkv[:, n_heads : n_heads + n_kv]),
+        (kv.v, kv.v_scale, qkv[:, n_heads + n_kv :]),
+    ):
+        stored, scale = encode(heads, kv.fmt)  # [T, KV, hd], [T, KV] (int8)
+        cache.reshape(-1, n_kv, hd)[slot_mapping] = stored
+        if scale is not None:
+            scales.reshape(-1, n_kv)[slot_mapping] = scale
 
 
 def rope_tables(max_positions: int, head_dim: int, theta: float, freq_factors: np.ndarray | None) -> np.ndarray:

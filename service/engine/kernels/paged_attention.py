@@ -2,9 +2,11 @@
 
 A per-sequence numpy loop spends most of a large decode step gathering blocks into contiguous copies and
 calling tiny BLAS kernels (docs/benchmarks.md). These kernels walk each sequence's block table directly.
-The C one (csrc/decode_attention.c) splits (sequence, KV head) tasks over the kernels' pool in quantized engines
-and runs on the calling thread next to OpenBLAS's pool (threads.ThreadPolicy); the query heads of one KV head
-share every K/V load. The numba one (numba_kernels.decode_attention) is single-threaded.
+The C one (csrc/decode_attention.c) reads the cache's stored type (kv_cache.py) and cuts each query's keys into
+spans at fixed positions (batch invariant: the same bits alone or in a batch, and as a prefill row); its tasks
+run over the kernels' pool in quantized engines and on the calling thread next to OpenBLAS's pool
+(threads.ThreadPolicy); the query heads of one KV head share every K/V load. The numba one
+(numba_kernels.decode_attention) is single-threaded, float32 only, each sequence alone (batch invariant too).
 Without either (BACKEND.decode_attention == "numpy") the runner gathers and calls attention.py instead.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from service.engine.kernels.backend import BACKEND
+from service.engine.kernels.kv_cache import KVLayer
 
 
 class DecodeAttention:
@@ -37,17 +40,19 @@ class DecodeAttention:
         np.cumsum([len(t) for t in block_tables], out=starts[1:])
         return tables, starts, np.ascontiguousarray(seq_lens, dtype=np.int64)
 
-    def __call__(
-        self, q: np.ndarray, k_layer: np.ndarray, v_layer: np.ndarray, prepared: tuple, threads: int
-    ) -> np.ndarray:
-        """q: [B, H, hd] -> [B, H, hd]; threads: 1 = the calling thread, 0 = the kernels' pool (C only)."""
+    def __call__(self, q: np.ndarray, kv: KVLayer, prepared: tuple, threads: int) -> np.ndarray:
+        """q: [B, H, hd] -> [B, H, hd]; kv: a layer's cache; threads: 1 = the calling thread, 0 = the kernels'
+        pool (C only)."""
         tables, starts, lens = prepared
         q = np.ascontiguousarray(q)
         out = np.empty_like(q)  # [B, H, hd]
         if self.kind == "c":
             B, H, hd = q.shape
-            nb, bs, kv, _ = k_layer.shape
-            BACKEND.ext.decode_attention(q, k_layer, v_layer, tables, starts, lens, out, B, H, kv, hd, bs, nb, threads)
+            nb, bs, n_kv, _ = kv.k.shape
+            args = (B, H, n_kv, hd, bs, nb, threads, kv.fmt.code)
+            BACKEND.ext.decode_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, tables, starts, lens, out, *args)
         else:
-            BACKEND.numba.decode_attention(q, k_layer, v_layer, tables, starts, lens, out)
+            if kv.fmt.name != "float32":
+                raise ValueError(f"the numba decode attention reads a float32 KV cache, not {kv.fmt.name}")
+            BACKEND.numba.decode_attention(q, kv.k, kv.v, tables, starts, lens, out)
         return out

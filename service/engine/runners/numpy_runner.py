@@ -20,6 +20,7 @@ from build_engine.spec import EngineConfig, load_engine_config
 from build_engine.tensor_io import SafetensorsFile
 from service.engine.kernels.attention import paged_causal_attention
 from service.engine.kernels.backend import BACKEND
+from service.engine.kernels.kv_cache import DEFAULT_KV_CACHE_DTYPE, KVCache, kv_format
 from service.engine.kernels.ops import (
     apply_rope,
     embedding_rows,
@@ -64,7 +65,9 @@ class NumpyRunner:
     """Owns the weights (memory-mapped), the KV cache arrays and its thread policy.
 
     decode_attention: "c", "numba" (DecodeAttention) or "numpy" (gathered blocks, attention.py); the
-    process's choice (kernels/backend.py) unless a test asks for another."""
+    process's choice (kernels/backend.py) unless a test asks for another. The numba kernel reads float32 only:
+    with another kv_cache_dtype and no extension, decode attention gathers (numpy).
+    kv_cache_dtype: the KV cache's stored type (kernels/kv_cache.py)."""
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class NumpyRunner:
         num_kv_blocks: int,
         config: EngineConfig | None = None,
         decode_attention: str = BACKEND.decode_attention,
+        kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE,
     ) -> None:
         self.config = config or load_engine_config(engine_dir)
         arch = self.config.arch
@@ -103,20 +107,26 @@ class NumpyRunner:
         self.bind_threads()
         factors = w.get("rope_freq_factors") if arch.rope_freq_factors else None
         self.rope = rope_tables(self.config.limits.max_seq_len, arch.head_dim, arch.rope_theta, factors)  # [2, P, hd/2]
-        kv_shape = (arch.num_hidden_layers, num_kv_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
         # Every page is written now: the pool is memory the server has committed to, so it is resident from the
         # start (a container's memory limit fails at startup, not under load) and RSS stays flat while blocks
         # are used for the first time (zeros alone would map pages lazily: +KV budget over a soak's first hour).
-        self.k_cache = np.empty(kv_shape, dtype=np.float32)  # [L, num_blocks, block_size, KV, hd]
-        self.v_cache = np.empty(kv_shape, dtype=np.float32)  # [L, num_blocks, block_size, KV, hd]
-        self.k_cache.fill(0.0)
-        self.v_cache.fill(0.0)
-        self.decode_attention = DecodeAttention(decode_attention) if decode_attention != "numpy" else None
-        logger.info(
-            "KV cache: %d blocks x %d tokens, %.1f MiB (resident)",
+        self.kv_cache = KVCache(
+            arch.num_hidden_layers,
             num_kv_blocks,
             self.block_size,
-            2 * self.k_cache.nbytes / 2**20,
+            arch.num_key_value_heads,
+            arch.head_dim,
+            kv_cache_dtype,
+        )  # k, v: [L, num_blocks, block_size, KV, hd] of the stored type
+        if decode_attention == "numba" and self.kv_cache.fmt.name != "float32":
+            decode_attention = "numpy"  # numba_kernels.decode_attention reads float32 only
+        self.decode_attention = DecodeAttention(decode_attention) if decode_attention != "numpy" else None
+        logger.info(
+            "KV cache: %d blocks x %d tokens, %s, %.1f MiB (resident)",
+            num_kv_blocks,
+            self.block_size,
+            self.kv_cache.fmt.name,
+            self.kv_cache.nbytes / 2**20,
         )
 
     def bind_threads(self) -> None:
@@ -132,9 +142,11 @@ class NumpyRunner:
         return layers + self.lm_head.nbytes + self.final_norm.nbytes
 
     @staticmethod
-    def kv_bytes_per_block(config: EngineConfig) -> int:
+    def kv_bytes_per_block(config: EngineConfig, kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE) -> int:
+        """K and V of one block over every layer, in the stored type (int8's scales included)."""
         arch = config.arch
-        return 2 * arch.num_hidden_layers * config.limits.kv_block_size * arch.kv_size * 4
+        per_slot = kv_format(kv_cache_dtype).bytes_per_slot(arch.num_key_value_heads, arch.head_dim)
+        return 2 * arch.num_hidden_layers * config.limits.kv_block_size * per_slot
 
     def execute(self, batch: ForwardBatch) -> np.ndarray:
         """Forward pass over the batch; logits of the last new token of each of batch.logits_seqs, [S, V]."""
@@ -162,7 +174,7 @@ class NumpyRunner:
 
     def _write_kv(self, layer: int, qkv: np.ndarray, slot_mapping: np.ndarray) -> None:
         # qkv: [T, H + 2KV, hd]; slot = block_id * block_size + offset in the layer's cache
-        write_kv(self.k_cache[layer], self.v_cache[layer], qkv, slot_mapping, self.n_heads)
+        write_kv(self.kv_cache.layer(layer), qkv, slot_mapping, self.n_heads)
 
     def _plan(self, batch: ForwardBatch) -> AttentionPlan:
         lens = np.diff(batch.query_start_loc)  # [B] new tokens per sequence
@@ -175,18 +187,18 @@ class NumpyRunner:
 
     def _attention(self, layer: int, q: np.ndarray, batch: ForwardBatch, plan: AttentionPlan) -> np.ndarray:
         # q: [T, H, hd] -> [T, H * hd]
-        k_layer, v_layer = self.k_cache[layer], self.v_cache[layer]  # [num_blocks, block_size, KV, hd]
+        kv = self.kv_cache.layer(layer)  # k, v: [num_blocks, block_size, KV, hd]
         threads = self.threads.attention_threads
         if not plan.other_seqs:  # a pure decode step: every token is its sequence's one query, in order
-            out = self.decode_attention(q, k_layer, v_layer, plan.decode_inputs, threads)
+            out = self.decode_attention(q, kv, plan.decode_inputs, threads)
             return out.reshape(batch.num_tokens, -1)
         out = np.empty((batch.num_tokens, self.n_heads * self.head_dim), dtype=np.float32)
         if plan.decode_seqs:
             rows = plan.decode_tokens
-            decoded = self.decode_attention(q[rows], k_layer, v_layer, plan.decode_inputs, threads)
+            decoded = self.decode_attention(q[rows], kv, plan.decode_inputs, threads)
             out[rows] = decoded.reshape(len(rows), -1)
         qsl = batch.query_start_loc
         for b in plan.other_seqs:  # one causal attention per sequence over the blocks of its table
             ctx, table, rows = int(batch.seq_lens[b]), batch.block_tables[b], slice(qsl[b], qsl[b + 1])
-            out[rows] = paged_causal_attention(q[rows], k_layer, v_layer, table, ctx, threads)
+            out[rows] = paged_causal_attention(q[rows], kv, table, ctx, threads)
         return out

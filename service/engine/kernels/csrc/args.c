@@ -5,7 +5,7 @@
 
 #define UNSET (-2) /* a size the entry's sizes() did not give */
 
-static Py_ssize_t item_size(arg_type t) { return t == ARG_I64 ? 8 : t == ARG_BYTES ? 1 : 4; }
+static Py_ssize_t item_size(arg_type t) { return t == ARG_I64 ? 8 : t == ARG_BYTES || t == ARG_BYTES_OUT ? 1 : 4; }
 
 static int is_buffer(arg_type t) { return t != ARG_INT && t != ARG_FLOAT; }
 
@@ -36,7 +36,7 @@ static int parse_number(const arg_spec *a, PyObject *o, call_t *c, int k) {
 
 static int take_buffer(const arg_spec *a, PyObject *o, call_t *c, int k) {
     if (a->type == ARG_F32_OPT && o == Py_None) return 0;
-    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (a->type == ARG_F32_OUT ? PyBUF_WRITABLE : 0);
+    int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (a->type == ARG_F32_OUT || a->type == ARG_BYTES_OUT ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(o, &c->b[k], flags) < 0) return -1;
     c->held[k] = 1;
     c->p[k] = c->b[k].buf;
@@ -45,7 +45,7 @@ static int take_buffer(const arg_spec *a, PyObject *o, call_t *c, int k) {
         PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous int64 array", a->name);
         return -1;
     }
-    if (a->type != ARG_I64 && a->type != ARG_BYTES && (c->b[k].itemsize != 4 || strcmp(fmt, "f"))) {
+    if (a->type != ARG_I64 && a->type != ARG_BYTES && a->type != ARG_BYTES_OUT && (c->b[k].itemsize != 4 || strcmp(fmt, "f"))) {
         PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous float32 array", a->name);
         return -1;
     }

@@ -11,7 +11,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define MAX_ARGS 14
+#define MAX_ARGS 17
 
 typedef enum {
     ARG_INT,     /* a Python int in [lo, hi] */
@@ -21,6 +21,7 @@ typedef enum {
     ARG_F32_OPT, /* ARG_F32, or None */
     ARG_I64,     /* an int64 buffer; with an `item` name, every value an index in [0, the `bound` argument) */
     ARG_BYTES,   /* any buffer, read as bytes */
+    ARG_BYTES_OUT, /* any buffer, written as bytes */
 } arg_type;
 
 typedef struct {

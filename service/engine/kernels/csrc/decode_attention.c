@@ -1,202 +1,299 @@
-/* Paged decode attention: one query per sequence over its blocks in place (no gather), every decoding sequence
- * of a step in one call (kernels/paged_attention.py calls it).
- *   q [B][H][hd] scaled, k/v layer [num_blocks][bs][KV][hd], tables int64 flat (sequence b's block ids at
- *   starts[b] .. starts[b+1]), lens int64 [B] keys visible; out [B][H][hd]. Tasks: (sequence, chunk of up
- *   to 4 query heads of one KV head, split of the keys); scores kept per task in a thread-local buffer, two
- *   passes over K, V. With S > 1 splits (few sequences, long contexts: too few tasks for the pool otherwise),
- *   each task writes an unnormalized partial output with its max and exp-sum, combined after the pool run
- *   (split-K, as flash-decoding).
+/* The per-query attention routine both attention kernels use (attn_span, attn_combine), and paged decode
+ * attention: one query per sequence over its blocks in place (no gather), every decoding sequence of a step in
+ * one call (kernels/paged_attention.py calls it).
+ *   q [B][H][hd] scaled, L a layer's cache (kernels.h kv_layer_t: float32, float16, bfloat16 or int8 with a
+ *   scale per (slot, KV head), read as stored and widened in registers), tables int64 flat (sequence b's block
+ *   ids at starts[b] .. starts[b + 1]), lens int64 [B] keys visible; out [B][H][hd].
+ * Batch invariance: each query's keys are cut into spans of ATTN_SPAN keys at fixed positions (0, 256, ...,
+ * never depending on the batch or on how idle the pool is), each span's partial (max, exp-sum, unnormalized
+ * output of up to 4 query heads sharing a KV head) computed by attn_span, the spans combined in order by
+ * attn_combine (flash-decoding's combination). How the work is cut into tasks only decides where those same
+ * operations run: a task per (sequence, span) when a task per sequence would leave the pool idle (few
+ * sequences, long contexts), else a task per sequence doing its spans in turn; either way a task goes over
+ * the head chunks of one span in turn, the span's K and V rows (every KV head of a slot side by side) read from
+ * memory once.
+ * The prefill kernel (attention.c) runs every query row through the same two functions.
  */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 
-typedef struct {
-    const float *q, *k, *v;
-    const int64_t *tables, *starts, *lens;
-    float *out;
-    int B, H, KV, hd, bs;
-    _Atomic int failed;
-    int S;          /* key splits per (sequence, head chunk); 1: no partials */
-    float *po, *pm; /* S > 1: partial outputs [task][4][hd], max and exp-sum [task][4][2] */
-} __attribute__((aligned(CACHE_LINE))) dattn_t; /* whole cache lines (kernels.h) */
+#define KV_PREFETCH 8 /* keys ahead the score pass prefetches K rows */
 
-AVX2_INLINE void dattn_avx2(dattn_t *A, int b, int h0, const int R, float *s, int j0, int j1, int part) {
-    const int hd = A->hd, KV = A->KV, bs = A->bs, kvh = h0 / (A->H / KV), ctx = j1 - j0, nv = hd / 8;
-    const int64_t *table = A->tables + A->starts[b];
-    const float *q = A->q + ((size_t)b * A->H + h0) * hd;
-    const size_t row = (size_t)KV * hd, blk = (size_t)bs * row;
-    for (int jj = 0; jj < ctx; jj++) { /* scores: each K row read once for the R heads */
-        const int j = j0 + jj;
-        const float *kj = A->k + (size_t)table[j / bs] * blk + (size_t)(j % bs) * row + (size_t)kvh * hd;
+size_t kv_item_bytes(int dtype) { return dtype == KV_F32 ? 4 : dtype == KV_I8 ? 1 : 2; }
+
+/* ---- AVX2 (hd a multiple of 8): R query heads and the stored type constants in each instance ---- */
+AVX2_INLINE __m256 load8(const char *p, const int dt) { /* 8 stored values widened to float32 */
+    switch (dt) {
+    case KV_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    case KV_BF16: return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    case KV_I8: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    default: return _mm256_loadu_ps((const float *)p);
+    }
+}
+
+/* two passes over the span's K, V (scores, then P V), each row read once for the R heads; int8: the K scale
+ * multiplies the score, the V scale the probability */
+AVX2_INLINE void span_avx2(const kv_layer_t *L, const size_t *at, int kvh, const float *q, const int R,
+                           const int dt, int n, float *pm, float *po) {
+    const int hd = L->hd, nv = hd / 8;
+    const size_t isz = dt == KV_F32 ? 4 : dt == KV_I8 ? 1 : 2, row = hd * isz;
+    const char *kbase = L->k, *vbase = L->v;
+    float s[4][ATTN_SPAN] __attribute__((aligned(32)));
+    for (int jj = 0; jj < n; jj++) {
+        if (jj + KV_PREFETCH < n) /* K rows a few keys ahead, and this key's V row for the second pass */
+            for (size_t b = 0; b < row; b += 64) _mm_prefetch(kbase + at[jj + KV_PREFETCH] * row + b, _MM_HINT_T0);
+        for (size_t b = 0; b < row; b += 64) _mm_prefetch(vbase + at[jj] * row + b, _MM_HINT_T0);
+        const char *kj = kbase + at[jj] * row;
         __m256 a[4];
         for (int r = 0; r < R; r++) a[r] = _mm256_setzero_ps();
         for (int c = 0; c < nv; c++) {
-            const __m256 kc = _mm256_loadu_ps(kj + 8 * c);
+            const __m256 kc = load8(kj + 8 * c * isz, dt);
             for (int r = 0; r < R; r++) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * hd + 8 * c), kc, a[r]);
         }
-        for (int r = 0; r < R; r++) s[(size_t)r * ctx + jj] = hsum256(a[r]);
+        for (int r = 0; r < R; r++) s[r][jj] = dt == KV_I8 ? hsum256(a[r]) * L->ks[at[jj]] : hsum256(a[r]);
     }
-    float inv[4];
-    for (int r = 0; r < R; r++) { /* softmax per head */
-        float *sr = s + (size_t)r * ctx, m = -INFINITY, total = 0.0f;
-        for (int j = 0; j < ctx; j++) m = fmaxf(m, sr[j]);
+    for (int r = 0; r < R; r++) { /* softmax statistics per head; s becomes exp(s - m) */
+        float *sr = s[r], m = -INFINITY, total;
+        for (int j = 0; j < n; j++) m = fmaxf(m, sr[j]);
         const __m256 mv = _mm256_set1_ps(m);
         __m256 tv = _mm256_setzero_ps();
         int j = 0;
-        for (; j + 8 <= ctx; j += 8) {
+        for (; j + 8 <= n; j += 8) {
             const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
             _mm256_storeu_ps(sr + j, e);
             tv = _mm256_add_ps(tv, e);
         }
         total = hsum256(tv);
-        for (; j < ctx; j++) {
+        for (; j < n; j++) {
             sr[j] = expf(sr[j] - m);
             total += sr[j];
         }
-        inv[r] = 1.0f / total;
-        if (part >= 0) { /* split-K: keep the statistics, leave the output unnormalized */
-            A->pm[((size_t)part * 4 + r) * 2] = m;
-            A->pm[((size_t)part * 4 + r) * 2 + 1] = total;
-            inv[r] = 1.0f;
-        }
+        pm[r * 2] = m;
+        pm[r * 2 + 1] = total;
     }
     for (int c0 = 0; c0 < nv; c0 += 2) { /* P V: 16 dimensions at a time in registers over the keys */
         const int two = c0 + 1 < nv;
         __m256 o0[4], o1[4];
         for (int r = 0; r < R; r++) o0[r] = o1[r] = _mm256_setzero_ps();
-        for (int jj = 0; jj < ctx; jj++) {
-            const int j = j0 + jj;
-            const float *vj = A->v + (size_t)table[j / bs] * blk + (size_t)(j % bs) * row + (size_t)kvh * hd + 8 * c0;
-            const __m256 v0 = _mm256_loadu_ps(vj), v1 = two ? _mm256_loadu_ps(vj + 8) : _mm256_setzero_ps();
+        for (int jj = 0; jj < n; jj++) {
+            const char *vj = vbase + at[jj] * row + 8 * c0 * isz;
+            const __m256 v0 = load8(vj, dt), v1 = two ? load8(vj + 8 * isz, dt) : _mm256_setzero_ps();
+            const float vsc = dt == KV_I8 ? L->vs[at[jj]] : 1.0f;
             for (int r = 0; r < R; r++) {
-                const __m256 p = _mm256_broadcast_ss(s + (size_t)r * ctx + jj);
+                const __m256 p = _mm256_set1_ps(dt == KV_I8 ? s[r][jj] * vsc : s[r][jj]);
                 o0[r] = _mm256_fmadd_ps(p, v0, o0[r]);
                 o1[r] = _mm256_fmadd_ps(p, v1, o1[r]);
             }
         }
         for (int r = 0; r < R; r++) {
-            float *o = (part >= 0 ? A->po + ((size_t)part * 4 + r) * hd : A->out + ((size_t)b * A->H + h0 + r) * hd)
-                       + 8 * c0;
-            const __m256 iv = _mm256_set1_ps(inv[r]);
-            _mm256_storeu_ps(o, _mm256_mul_ps(o0[r], iv));
-            if (two) _mm256_storeu_ps(o + 8, _mm256_mul_ps(o1[r], iv));
+            _mm256_storeu_ps(po + r * hd + 8 * c0, o0[r]);
+            if (two) _mm256_storeu_ps(po + r * hd + 8 * c0 + 8, o1[r]);
         }
     }
 }
 
-AVX2_FN static void dattn_avx2_n(dattn_t *A, int b, int h0, int R, float *s, int j0, int j1, int part) {
-    switch (R) {
-    case 1: dattn_avx2(A, b, h0, 1, s, j0, j1, part); break;
-    case 2: dattn_avx2(A, b, h0, 2, s, j0, j1, part); break;
-    case 3: dattn_avx2(A, b, h0, 3, s, j0, j1, part); break;
-    default: dattn_avx2(A, b, h0, 4, s, j0, j1, part); break;
+#define SPAN_DT(R, dt) span_avx2(L, at, kvh, q, R, dt, n, pm, po)
+#define SPAN_R(dt)                             \
+    switch (R) {                               \
+    case 1: SPAN_DT(1, dt); break;             \
+    case 2: SPAN_DT(2, dt); break;             \
+    case 3: SPAN_DT(3, dt); break;             \
+    default: SPAN_DT(4, dt); break;            \
+    }
+
+/* one compiled instance per (R, stored type), called by both kernels: the same instructions for a query */
+AVX2_FN __attribute__((noinline)) static void attn_span_avx2(const kv_layer_t *L, const size_t *at, int kvh,
+                                                             const float *q, int R, int n, float *pm, float *po) {
+    switch (L->dtype) {
+    case KV_F16: SPAN_R(KV_F16); break;
+    case KV_BF16: SPAN_R(KV_BF16); break;
+    case KV_I8: SPAN_R(KV_I8); break;
+    default: SPAN_R(KV_F32); break;
     }
 }
 
-static void dattn_generic(dattn_t *A, int b, int h, float *s) {
-    const int hd = A->hd, KV = A->KV, bs = A->bs, kvh = h / (A->H / KV), ctx = (int)A->lens[b];
-    const int64_t *table = A->tables + A->starts[b];
-    const float *q = A->q + ((size_t)b * A->H + h) * hd;
-    const size_t row = (size_t)KV * hd, blk = (size_t)bs * row;
-    float m = -INFINITY, total = 0.0f;
-    for (int j = 0; j < ctx; j++) {
-        const float *kj = A->k + (size_t)table[j / bs] * blk + (size_t)(j % bs) * row + (size_t)kvh * hd;
-        float d = 0.0f;
-        for (int c = 0; c < hd; c++) d += q[c] * kj[c];
-        s[j] = d;
-        m = fmaxf(m, d);
+/* ---- portable C: one head at a time, sums in key and dimension order ---- */
+static float f16_value(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (e == 0x1f) bits = sign | 0x7f800000 | (man << 13);
+    else if (e != 0) bits = sign | ((e + 112) << 23) | (man << 13);
+    else {
+        const float sub = (float)man * 5.9604644775390625e-8f; /* man * 2^-24, exact */
+        return sign ? -sub : sub;
     }
-    for (int j = 0; j < ctx; j++) {
-        s[j] = expf(s[j] - m);
-        total += s[j];
-    }
-    float *o = A->out + ((size_t)b * A->H + h) * hd;
-    for (int c = 0; c < hd; c++) o[c] = 0.0f;
-    for (int j = 0; j < ctx; j++) {
-        const float *vj = A->v + (size_t)table[j / bs] * blk + (size_t)(j % bs) * row + (size_t)kvh * hd;
-        for (int c = 0; c < hd; c++) o[c] += s[j] * vj[c];
-    }
-    for (int c = 0; c < hd; c++) o[c] /= total;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
-static int dattn_avx2_ok(const dattn_t *A) { return g_avx2 && A->hd % 8 == 0 && A->hd <= 256; }
+static float kv_value(const kv_layer_t *L, const void *base, size_t i) { /* element i of a stored array */
+    switch (L->dtype) {
+    case KV_F16: return f16_value(((const uint16_t *)base)[i]);
+    case KV_BF16: {
+        const uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    case KV_I8: return (float)((const int8_t *)base)[i];
+    default: return ((const float *)base)[i];
+    }
+}
 
-static void task_dattn(void *ctx, int task) {
-    dattn_t *A = ctx;
-    const int G = A->H / A->KV, per_kv = (G + 3) / 4, chunks = A->KV * per_kv;
-    const int split = task % A->S, b = task / A->S / chunks, chunk = task / A->S % chunks;
-    const int h0 = (chunk / per_kv) * G + (chunk % per_kv) * 4, hend = (chunk / per_kv + 1) * G;
-    const int R = hend - h0 < 4 ? hend - h0 : 4, n = (int)A->lens[b];
-    const int span = (n + A->S - 1) / A->S, j0 = split * span, j1 = j0 + span < n ? j0 + span : n;
-    if (A->S > 1 && j0 >= j1) { /* an empty split: contributes nothing to the combination */
-        for (int r = 0; r < 4; r++) {
-            A->pm[((size_t)task * 4 + r) * 2] = -INFINITY;
-            A->pm[((size_t)task * 4 + r) * 2 + 1] = 0.0f;
+static void span_generic(const kv_layer_t *L, const size_t *at, const float *q, int R, int n, float *pm, float *po) {
+    const int hd = L->hd, i8 = L->dtype == KV_I8;
+    float s[ATTN_SPAN];
+    for (int r = 0; r < R; r++) {
+        const float *qr = q + r * hd;
+        float m = -INFINITY, total = 0.0f, *o = po + r * hd;
+        for (int jj = 0; jj < n; jj++) {
+            float d = 0.0f;
+            for (int c = 0; c < hd; c++) d += qr[c] * kv_value(L, L->k, at[jj] * hd + c);
+            s[jj] = i8 ? d * L->ks[at[jj]] : d;
+            m = fmaxf(m, s[jj]);
         }
-        return;
-    }
-    float *s = scratch((size_t)4 * (j1 - j0 > 0 ? j1 - j0 : 1));
-    if (!s) {
-        atomic_store(&A->failed, 1);
-        return;
-    }
-    if (dattn_avx2_ok(A)) dattn_avx2_n(A, b, h0, R, s, j0, j1, A->S > 1 ? task : -1);
-    else for (int h = h0; h < h0 + R; h++) dattn_generic(A, b, h, s); /* S == 1 here */
-}
-
-/* out[b][h] = sum over splits of exp(m_s - M) o_s / sum of exp(m_s - M) l_s, M the largest m_s. */
-static void dattn_combine(dattn_t *A) {
-    const int G = A->H / A->KV, per_kv = (G + 3) / 4, chunks = A->KV * per_kv, hd = A->hd;
-    for (int b = 0; b < A->B; b++)
-        for (int chunk = 0; chunk < chunks; chunk++) {
-            const int h0 = (chunk / per_kv) * G + (chunk % per_kv) * 4, hend = (chunk / per_kv + 1) * G;
-            const int R = hend - h0 < 4 ? hend - h0 : 4;
-            const size_t t0 = ((size_t)b * chunks + chunk) * A->S;
-            for (int r = 0; r < R; r++) {
-                float M = -INFINITY, total = 0.0f;
-                for (int sp = 0; sp < A->S; sp++) M = fmaxf(M, A->pm[((t0 + sp) * 4 + r) * 2]);
-                float *o = A->out + ((size_t)b * A->H + h0 + r) * hd;
-                for (int c = 0; c < hd; c++) o[c] = 0.0f;
-                for (int sp = 0; sp < A->S; sp++) {
-                    const float l = A->pm[((t0 + sp) * 4 + r) * 2 + 1];
-                    if (l == 0.0f) continue;
-                    const float w = expf(A->pm[((t0 + sp) * 4 + r) * 2] - M);
-                    const float *po = A->po + ((t0 + sp) * 4 + r) * hd;
-                    for (int c = 0; c < hd; c++) o[c] += w * po[c];
-                    total += w * l;
-                }
-                for (int c = 0; c < hd; c++) o[c] /= total;
-            }
+        for (int jj = 0; jj < n; jj++) {
+            s[jj] = expf(s[jj] - m);
+            total += s[jj];
         }
+        pm[r * 2] = m;
+        pm[r * 2 + 1] = total;
+        for (int c = 0; c < hd; c++) o[c] = 0.0f;
+        for (int jj = 0; jj < n; jj++) {
+            const float p = i8 ? s[jj] * L->vs[at[jj]] : s[jj];
+            for (int c = 0; c < hd; c++) o[c] += p * kv_value(L, L->v, at[jj] * hd + c);
+        }
+    }
 }
 
+static int span_avx2_ok(const kv_layer_t *L) { return g_avx2 && L->hd % 8 == 0; }
 
-int decode_attention(const float *q, const float *k, const float *v, const int64_t *tables, const int64_t *starts,
-                     const int64_t *lens, float *out, int B, int H, int KV, int hd, int bs, int threads) {
-    dattn_t A = {q, k, v, tables, starts, lens, out, B, H, KV, hd, bs, 0, 1, NULL, NULL};
-    int ntasks = (int)((long)B * KV * ((H / KV + 3) / 4));
-    int64_t longest = 0;
-    for (long b = 0; b < B; b++) longest = lens[b] > longest ? lens[b] : longest;
-    /* Split the keys when the pool would otherwise idle: fewer than 4 tasks per thread, >= 256 keys each. */
+void attn_span(const kv_layer_t *L, const int64_t *table, int kvh, const float *q, int R, int j0, int j1, float *pm,
+               float *po) {
+    size_t at[ATTN_SPAN]; /* each key's (slot, KV head): the block table walked once, no division per key */
+    const int bs = L->bs, n = j1 - j0;
+    for (int jj = 0, blk = j0 / bs, off = j0 % bs; jj < n; jj++) {
+        at[jj] = ((size_t)table[blk] * bs + off) * L->KV + kvh;
+        if (++off == bs) off = 0, blk++;
+    }
+    if (span_avx2_ok(L)) attn_span_avx2(L, at, kvh, q, R, n, pm, po);
+    else span_generic(L, at, q, R, n, pm, po);
+}
+
+void attn_combine(const float *pm, size_t pm_stride, const float *po, size_t po_stride, int S, int hd, float *out) {
+    float M = -INFINITY, total = 0.0f;
+    for (int sp = 0; sp < S; sp++) M = fmaxf(M, pm[sp * pm_stride]);
+    for (int c = 0; c < hd; c++) out[c] = 0.0f;
+    for (int sp = 0; sp < S; sp++) {
+        const float w = expf(pm[sp * pm_stride] - M), *o = po + sp * po_stride;
+        for (int c = 0; c < hd; c++) out[c] += w * o[c];
+        total += w * pm[sp * pm_stride + 1];
+    }
+    for (int c = 0; c < hd; c++) out[c] /= total;
+}
+
+/* ---- decode: partials of (sequence b, head chunk, span sp) at index (span0[b] + sp) * chunks + chunk ---- */
+typedef struct {
+    const float *q;
+    const kv_layer_t *L;
+    const int64_t *tables, *starts, *lens;
+    float *out;
+    int B, H, G, per_kv, chunks;
+    const int64_t *span0; /* [B + 1] each sequence's first span among all of the step's spans */
+    const int *seq;       /* per_span: the sequence of each of the step's spans */
+    int per_span;         /* 1: a task per span, then a combine task per sequence; 0: a task per sequence */
+    float *pm, *po;       /* partials [spans][chunks][4][2], [spans][chunks][4][hd] */
+} __attribute__((aligned(CACHE_LINE))) dattn_t; /* whole cache lines (kernels.h) */
+
+typedef struct {
+    int h0, R, kvh;
+} head_chunk_t;
+
+static head_chunk_t head_chunk(const dattn_t *A, int chunk) { /* up to 4 query heads of one KV head */
+    const int h0 = (chunk / A->per_kv) * A->G + (chunk % A->per_kv) * 4, hend = (chunk / A->per_kv + 1) * A->G;
+    return (head_chunk_t){h0, hend - h0 < 4 ? hend - h0 : 4, chunk / A->per_kv};
+}
+
+static void dattn_span(const dattn_t *A, int b, int chunk, int sp) {
+    const head_chunk_t hc = head_chunk(A, chunk);
+    const int n = (int)A->lens[b], j0 = sp * ATTN_SPAN, j1 = j0 + ATTN_SPAN < n ? j0 + ATTN_SPAN : n;
+    const size_t p = (size_t)(A->span0[b] + sp) * A->chunks + chunk;
+    attn_span(A->L, A->tables + A->starts[b], hc.kvh, A->q + ((size_t)b * A->H + hc.h0) * A->L->hd, hc.R, j0, j1,
+              A->pm + p * 8, A->po + p * 4 * A->L->hd);
+}
+
+static void dattn_combine(const dattn_t *A, int b, int chunk) {
+    const head_chunk_t hc = head_chunk(A, chunk);
+    const int hd = A->L->hd, S = (int)(A->span0[b + 1] - A->span0[b]);
+    const size_t p = (size_t)A->span0[b] * A->chunks + chunk;
+    for (int r = 0; r < hc.R; r++)
+        attn_combine(A->pm + p * 8 + r * 2, (size_t)A->chunks * 8, A->po + (p * 4 + r) * hd, (size_t)A->chunks * 4 * hd,
+                     S, hd, A->out + ((size_t)b * A->H + hc.h0 + r) * hd);
+}
+
+/* a task's unit: every head chunk of one (sequence, span) in turn, so the span's K and V rows (all KV heads of a
+ * slot side by side) are read from memory once and from cache for the other chunks */
+static void sequence_span(const dattn_t *A, int b, int sp) {
+    for (int chunk = 0; chunk < A->chunks; chunk++) dattn_span(A, b, chunk, sp);
+}
+
+static void task_span(void *ctx, int task) { /* per_span: task = one of the step's spans */
+    const dattn_t *A = ctx;
+    const int b = A->seq[task];
+    sequence_span(A, b, task - (int)A->span0[b]);
+}
+
+static void task_combine(void *ctx, int b) {
+    const dattn_t *A = ctx;
+    for (int chunk = 0; chunk < A->chunks; chunk++) dattn_combine(A, b, chunk);
+}
+
+static void task_sequence(void *ctx, int b) { /* a sequence: its spans in turn, then the combination */
+    const dattn_t *A = ctx;
+    for (int sp = 0; sp < (int)(A->span0[b + 1] - A->span0[b]); sp++) sequence_span(A, b, sp);
+    task_combine(ctx, b);
+}
+
+static void run_tasks(task_fn fn, void *ctx, int ntasks, int threads) {
+    if (threads == 1 || ntasks >= 65536) for (int t = 0; t < ntasks; t++) fn(ctx, t);
+    else pool_run(fn, ctx, ntasks);
+}
+
+int decode_attention(const float *q, const kv_layer_t *L, const int64_t *tables, const int64_t *starts,
+                     const int64_t *lens, float *out, int B, int H, int threads) {
+    const int G = H / L->KV, per_kv = (G + 3) / 4, chunks = L->KV * per_kv, hd = L->hd;
+    int64_t *span0 = malloc((size_t)(B + 1) * sizeof(int64_t));
+    if (!span0) return -1;
+    span0[0] = 0;
+    for (int b = 0; b < B; b++) span0[b + 1] = span0[b] + (lens[b] + ATTN_SPAN - 1) / ATTN_SPAN;
+    const int64_t spans = span0[B];
     const int nthreads = pool_threads();
-    if (threads != 1 && nthreads > 1 && dattn_avx2_ok(&A) && ntasks < 4 * nthreads && longest >= 512) {
-        int S = (4 * nthreads + ntasks - 1) / ntasks;
-        if (S > longest / 256) S = (int)(longest / 256);
-        if (S > 16) S = 16;
-        if (S > 1) {
-            A.po = malloc((size_t)ntasks * S * 4 * (hd + 2) * sizeof(float));
-            if (!A.po) return -1;
-            A.pm = A.po + (size_t)ntasks * S * 4 * hd;
-            A.S = S;
-            ntasks *= S;
-        }
+    const int per_span = threads != 1 && nthreads > 1 && B < 4 * nthreads && spans < 65536;
+    float *pm = malloc((size_t)spans * chunks * 4 * (hd + 2) * sizeof(float));
+    int *seq = per_span ? malloc((size_t)spans * sizeof(int)) : NULL;
+    if (!pm || (per_span && !seq)) {
+        free(span0);
+        free(pm);
+        free(seq);
+        return -1;
     }
-    if (threads == 1 || ntasks >= 65536) for (int t = 0; t < ntasks; t++) task_dattn(&A, t);
-    else pool_run(task_dattn, &A, ntasks);
-    if (A.S > 1 && !atomic_load(&A.failed)) dattn_combine(&A);
-    free(A.po);
-    return atomic_load(&A.failed) ? -1 : 0;
+    dattn_t A = {q, L, tables, starts, lens, out, B, H, G, per_kv, chunks, span0, seq, per_span, pm,
+                 pm + (size_t)spans * chunks * 8};
+    if (per_span) {
+        for (int b = 0; b < B; b++)
+            for (int64_t g = span0[b]; g < span0[b + 1]; g++) seq[g] = b;
+        run_tasks(task_span, &A, (int)spans, threads);
+        run_tasks(task_combine, &A, B, threads);
+    } else {
+        run_tasks(task_sequence, &A, B, threads);
+    }
+    free(span0);
+    free(pm);
+    free(seq);
+    return 0;
 }

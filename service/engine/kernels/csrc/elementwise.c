@@ -61,12 +61,64 @@ void silu_mul_rows(const float *gu, float *y, int T, int F) {
     else silu_mul_generic(gu, y, T, F);
 }
 
+/* float32 -> IEEE half, round to nearest even (as F16C's _mm256_cvtps_ph and numpy's astype): overflow to inf */
+static uint16_t f16_bits(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint16_t sign = (x >> 16) & 0x8000;
+    x &= 0x7fffffff;
+    if (x > 0x7f800000) return sign | 0x7e00;      /* NaN */
+    if (x >= 0x477ff000) return sign | 0x7c00;     /* >= 65520 (or inf): inf */
+    if (x < 0x38800000) {                          /* below 2^-14: a subnormal half, round(f * 2^24) */
+        float a;
+        memcpy(&a, &x, 4);
+        return sign | (uint16_t)nearbyintf(a * 16777216.0f);
+    }
+    return sign | (uint16_t)((x + 0xfff + ((x >> 13) & 1) - 0x38000000) >> 13);
+}
+
+/* float32 -> bfloat16, round to nearest even */
+static uint16_t bf16_bits(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+}
+
+/* one row x [hd] into slot `at` of a stored array: converted with the rounding above; int8 with the row's scale
+ * max|x| / 127 into scales[at] and q = rint(x * 127 / max|x|) */
+static void store_row(void *dst, float *scales, size_t at, const float *x, int hd, int dtype) {
+    switch (dtype) {
+    case KV_F16:
+        for (int c = 0; c < hd; c++) ((uint16_t *)dst)[at * hd + c] = f16_bits(x[c]);
+        break;
+    case KV_BF16:
+        for (int c = 0; c < hd; c++) ((uint16_t *)dst)[at * hd + c] = bf16_bits(x[c]);
+        break;
+    case KV_I8: {
+        float amax = 0.0f;
+        for (int c = 0; c < hd; c++) amax = fmaxf(amax, fabsf(x[c]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        scales[at] = amax / 127.0f;
+        for (int c = 0; c < hd; c++) {
+            const float r = nearbyintf(x[c] * inv);
+            ((int8_t *)dst)[at * hd + c] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        }
+        break;
+    }
+    default: memcpy((float *)dst + at * hd, x, (size_t)hd * 4);
+    }
+}
+
 /* the K and V rows of each token of qkv [T][H + 2 KV][hd] into its slot of a layer's cache [slots][KV][hd] */
-void write_kv_rows(float *k, float *v, const float *qkv, const int64_t *slots, int T, int H, int KV, int hd) {
-    const size_t row = (size_t)KV * hd;
+void write_kv_rows(void *k, void *v, float *ks, float *vs, const float *qkv, const int64_t *slots, int T, int H,
+                   int KV, int hd, int dtype) {
     for (long t = 0; t < T; t++) {
         const float *xt = qkv + (size_t)t * (H + 2 * KV) * hd;
-        memcpy(k + (size_t)slots[t] * row, xt + (size_t)H * hd, row * 4);
-        memcpy(v + (size_t)slots[t] * row, xt + (size_t)(H + KV) * hd, row * 4);
+        for (int g = 0; g < KV; g++) {
+            const size_t at = (size_t)slots[t] * KV + g;
+            store_row(k, ks, at, xt + (size_t)(H + g) * hd, hd, dtype);
+            store_row(v, vs, at, xt + (size_t)(H + KV + g) * hd, hd, dtype);
+        }
     }
 }

@@ -122,24 +122,55 @@ AVX512_FN void blk_gemm_avx512(int kind, const float *P, const uint8_t *c, const
 AVX2_FN void dequant_tile_avx2(int kind, const uint8_t *tile, int nblk, float *out, size_t ldo);
 AVX2_FN void block_sums_avx2(const float *x, int n, int ldx, int nblk, float *sx);
 
-/* ---- attention.c: q [n][H][hd] scaled, query i at position ctx - n + i; out [n][H * hd] ---- */
-int attention_in_place_ok(int hd); /* the paged kernel runs (the AVX2 path); else the caller gathers */
-/* k, v [ctx][KV][hd]; threads 1: the calling thread only, else the pool */
+/* ---- the KV cache's stored types (the dtype argument of the attention and KV-write entry points) ---- */
+#define KV_F32 0  /* float32 */
+#define KV_F16 1  /* IEEE half, converted on write with round-to-nearest-even */
+#define KV_BF16 2 /* bfloat16 (the top 16 bits of a float32, rounded to nearest even) */
+#define KV_I8 3   /* int8, one float32 scale per (slot, KV head) beside the cache: x = q * scale */
+size_t kv_item_bytes(int dtype);
+
+/* One layer's paged cache as the attention kernels read it: k, v [num_blocks][bs][KV][hd] of `dtype`; ks, vs
+ * [num_blocks][bs][KV] the int8 scales (NULL otherwise). A contiguous [ctx][KV][hd] is one block of ctx. */
+typedef struct {
+    const void *k, *v;
+    const float *ks, *vs;
+    int KV, hd, bs, dtype;
+} kv_layer_t;
+
+/* ---- decode_attention.c: the one per-query routine of both attention kernels, and decode attention ----
+ * Batch invariance: a query's keys are cut into spans at fixed key positions (ATTN_SPAN, whatever the batch
+ * or the pool), each span's partial (max m, exp-sum l, unnormalized output o) computed by attn_span, and the
+ * spans combined in order by attn_combine: a query's output is the same bits alone or in a batch, in a decode
+ * step or as one row of a prefill chunk (on one ISA path: AVX2 and portable C round differently). */
+#define ATTN_SPAN 256
+/* the R <= 4 query heads q [R][hd] of KV head kvh over keys [j0, j1) (j1 - j0 <= ATTN_SPAN) of the sequence
+ * whose block ids are table: pm [r * 2] = m, [r * 2 + 1] = l; po [r * hd ..] = o */
+void attn_span(const kv_layer_t *L, const int64_t *table, int kvh, const float *q, int R, int j0, int j1, float *pm,
+               float *po);
+/* out [hd] = sum over S spans of exp(m_s - M) o_s / sum of exp(m_s - M) l_s (M the largest m_s), in span order;
+ * span s's statistics at pm [s * pm_stride], its output at po [s * po_stride] */
+void attn_combine(const float *pm, size_t pm_stride, const float *po, size_t po_stride, int S, int hd, float *out);
+/* q, out [B][H][hd]; sequence b's block ids at tables[starts[b] .. starts[b + 1]], lens[b] keys visible */
+int decode_attention(const float *q, const kv_layer_t *L, const int64_t *tables, const int64_t *starts,
+                     const int64_t *lens, float *out, int B, int H, int threads);
+
+/* ---- attention.c: q [n][H][hd] scaled, query i at position ctx - n + i; out [n][H * hd]; every row through
+ * attn_span / attn_combine (the decode kernel's arithmetic); threads 1: the calling thread only, else the pool.
+ * 0, or -1 where a scratch allocation failed ---- */
+/* k, v float32 [ctx][KV][hd] */
 int causal_attention(const float *q, const float *k, const float *v, float *out, int n, int ctx, int H, int KV,
                      int hd, int threads);
-/* k, v a layer's cache [num_blocks][bs][KV][hd], key j in block table[j / bs]; AVX2 only */
-void paged_causal_attention(const float *q, const float *k, const float *v, const int64_t *table, int bs,
-                            float *out, int n, int ctx, int H, int KV, int hd, int threads);
-
-/* ---- decode_attention.c: q, out [B][H][hd]; sequence b's block ids at tables[starts[b] .. starts[b + 1]],
- * lens[b] keys visible; k, v a layer's cache [num_blocks][bs][KV][hd] ---- */
-int decode_attention(const float *q, const float *k, const float *v, const int64_t *tables, const int64_t *starts,
-                     const int64_t *lens, float *out, int B, int H, int KV, int hd, int bs, int threads);
+/* a layer's paged cache (L), key j in block table[j / bs] */
+int paged_causal_attention(const float *q, const kv_layer_t *L, const int64_t *table, float *out, int n, int ctx,
+                           int H, int threads);
 
 /* ---- elementwise.c ---- */
 void rmsnorm_rows(const float *x, const float *gain, float eps, float *y, int T, int D);
 void rope_rows(float *x, const float *table, const int64_t *pos, int T, int nheads, int nrot, int hd, int P);
 void silu_mul_rows(const float *gu, float *y, int T, int F);
-void write_kv_rows(float *k, float *v, const float *qkv, const int64_t *slots, int T, int H, int KV, int hd);
+/* the K and V rows of each token of qkv [T][H + 2 KV][hd] into its slot of a layer's cache [slots][KV][hd] of
+ * dtype (ks, vs: [slots][KV] the int8 scales, else unused) */
+void write_kv_rows(void *k, void *v, float *ks, float *vs, const float *qkv, const int64_t *slots, int T, int H,
+                   int KV, int hd, int dtype);
 
 #endif

@@ -120,10 +120,36 @@ static PyObject *py_attention(PyObject *self, PyObject *const *args, Py_ssize_t 
     return end_call(&c, Py_None);
 }
 
-/* ---- paged_attention(q, k_layer, v_layer, table, out, n, ctx, H, KV, hd, bs, num_blocks, threads): attention()
- * of one sequence read in place from a layer's paged cache [num_blocks][bs][KV][hd] through its block table.
- * AVX2 only: returns False where the portable path would run (the caller gathers instead) ---- */
-enum { PA_Q, PA_K, PA_V, PA_TABLE, PA_OUT, PA_N, PA_CTX, PA_H, PA_KV, PA_HD, PA_BS, PA_NB, PA_THREADS };
+/* The KV cache arguments of paged_attention, decode_attention and write_kv: k_layer, v_layer [num_blocks][bs][KV][hd]
+ * of the stored type `dtype` (kernels.h KV_*: 0 float32, 1 float16, 2 bfloat16, 3 int8), k_scale, v_scale float32
+ * [num_blocks][bs][KV] for int8 (empty arrays otherwise) ---- */
+#define KV_DTYPE INT("dtype", KV_F32, KV_I8)
+
+static Py_ssize_t kv_bytes(long nb, long bs, long kv, long hd, long dtype) { /* the bytes of k_layer */
+    return (Py_ssize_t)nb * bs * kv * hd * (Py_ssize_t)kv_item_bytes((int)dtype);
+}
+
+static Py_ssize_t kv_scales(long nb, long bs, long kv, long dtype) { return dtype == KV_I8 ? (Py_ssize_t)nb * bs * kv : 0; }
+
+/* the caches' item size is the dtype's (a float32 cache passed as float16 would be read as garbage) */
+static int check_kv_items(call_t *c, int k, int v, long dtype) {
+    const Py_ssize_t want = (Py_ssize_t)kv_item_bytes((int)dtype);
+    if (c->b[k].itemsize != want || c->b[v].itemsize != want) {
+        PyErr_Format(PyExc_TypeError, "the KV cache arrays must have %zd-byte items for dtype %ld", want, dtype);
+        return -1;
+    }
+    return 0;
+}
+
+static kv_layer_t kv_layer(call_t *c, int k, int v, int ks, int vs, long kv, long hd, long bs, long dtype) {
+    return (kv_layer_t){c->p[k], c->p[v], dtype == KV_I8 ? c->p[ks] : NULL, dtype == KV_I8 ? c->p[vs] : NULL,
+                        (int)kv, (int)hd, (int)bs, (int)dtype};
+}
+
+/* ---- paged_attention(q, k_layer, v_layer, k_scale, v_scale, table, out, n, ctx, H, KV, hd, bs, num_blocks, threads,
+ * dtype): attention() of one sequence read in place from a layer's paged cache through its block table ---- */
+enum { PA_Q, PA_K, PA_V, PA_KS, PA_VS, PA_TABLE, PA_OUT, PA_N, PA_CTX, PA_H, PA_KV, PA_HD, PA_BS, PA_NB, PA_THREADS,
+       PA_DTYPE };
 
 static const char *paged_attention_shape(const long *i) {
     return i[PA_N] > i[PA_CTX] || i[PA_H] % i[PA_KV] ? "need n <= ctx and H a multiple of KV" : NULL;
@@ -131,33 +157,39 @@ static const char *paged_attention_shape(const long *i) {
 
 static void paged_attention_sizes(const long *i, Py_ssize_t *n) {
     n[PA_Q] = n[PA_OUT] = (Py_ssize_t)i[PA_N] * i[PA_H] * i[PA_HD];
-    n[PA_K] = n[PA_V] = (Py_ssize_t)i[PA_NB] * i[PA_BS] * i[PA_KV] * i[PA_HD];
+    n[PA_K] = n[PA_V] = kv_bytes(i[PA_NB], i[PA_BS], i[PA_KV], i[PA_HD], i[PA_DTYPE]);
+    n[PA_KS] = n[PA_VS] = kv_scales(i[PA_NB], i[PA_BS], i[PA_KV], i[PA_DTYPE]);
     n[PA_TABLE] = (i[PA_CTX] + i[PA_BS] - 1) / i[PA_BS];
 }
 
-static const entry_spec PAGED_ATTENTION = {"paged_attention", 13, {
-    [PA_Q] = F32("q"), [PA_K] = F32("k"), [PA_V] = F32("v"), [PA_TABLE] = IDS("table", PA_NB, "block id"),
+static const entry_spec PAGED_ATTENTION = {"paged_attention", 16, {
+    [PA_Q] = F32("q"), [PA_K] = BYTES("k"), [PA_V] = BYTES("v"), [PA_KS] = F32("k_scale"), [PA_VS] = F32("v_scale"),
+    [PA_TABLE] = IDS("table", PA_NB, "block id"),
     [PA_OUT] = F32_OUT("out"), [PA_N] = INT("n", 1, 1 << 24), [PA_CTX] = INT("ctx", 1, 1 << 24),
     [PA_H] = INT("H", 1, 4096), [PA_KV] = INT("KV", 1, 4096), [PA_HD] = INT("hd", 1, 1024),
     [PA_BS] = INT("block_size", 1, 1 << 16), [PA_NB] = INT("num_blocks", 1, 1L << 40),
-    [PA_THREADS] = INT("threads", 0, 1 << 16)}, paged_attention_shape, paged_attention_sizes};
+    [PA_THREADS] = INT("threads", 0, 1 << 16), [PA_DTYPE] = KV_DTYPE}, paged_attention_shape, paged_attention_sizes};
 
 static PyObject *py_paged_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     call_t c;
     if (parse_call(&PAGED_ATTENTION, args, nargs, &c) < 0) return NULL;
     const long *i = c.i;
-    if (!attention_in_place_ok((int)i[PA_HD])) return end_call(&c, Py_False);
+    if (check_kv_items(&c, PA_K, PA_V, i[PA_DTYPE]) < 0) return end_call(&c, NULL);
+    const kv_layer_t L = kv_layer(&c, PA_K, PA_V, PA_KS, PA_VS, i[PA_KV], i[PA_HD], i[PA_BS], i[PA_DTYPE]);
+    int failed;
     Py_BEGIN_ALLOW_THREADS;
-    paged_causal_attention(c.p[PA_Q], c.p[PA_K], c.p[PA_V], c.p[PA_TABLE], (int)i[PA_BS], c.p[PA_OUT],
-                           (int)i[PA_N], (int)i[PA_CTX], (int)i[PA_H], (int)i[PA_KV], (int)i[PA_HD],
-                           (int)i[PA_THREADS]);
+    failed = paged_causal_attention(c.p[PA_Q], &L, c.p[PA_TABLE], c.p[PA_OUT], (int)i[PA_N], (int)i[PA_CTX],
+                                    (int)i[PA_H], (int)i[PA_THREADS]);
     Py_END_ALLOW_THREADS;
-    return end_call(&c, Py_True);
+    if (failed) return no_memory(&c);
+    return end_call(&c, Py_None);
 }
 
-/* ---- decode_attention(q, k_layer, v_layer, tables, starts, lens, out, B, H, KV, hd, bs, num_blocks, threads):
- * one query per sequence, sequence b's block ids at tables[starts[b]:starts[b + 1]], lens[b] keys ---- */
-enum { DA_Q, DA_K, DA_V, DA_TABLES, DA_STARTS, DA_LENS, DA_OUT, DA_B, DA_H, DA_KV, DA_HD, DA_BS, DA_NB, DA_THREADS };
+/* ---- decode_attention(q, k_layer, v_layer, k_scale, v_scale, tables, starts, lens, out, B, H, KV, hd, bs,
+ * num_blocks, threads, dtype): one query per sequence, sequence b's block ids at tables[starts[b]:starts[b + 1]],
+ * lens[b] keys ---- */
+enum { DA_Q, DA_K, DA_V, DA_KS, DA_VS, DA_TABLES, DA_STARTS, DA_LENS, DA_OUT, DA_B, DA_H, DA_KV, DA_HD, DA_BS, DA_NB,
+       DA_THREADS, DA_DTYPE };
 
 static const char *decode_attention_shape(const long *i) {
     return i[DA_H] % i[DA_KV] ? "H must be a multiple of KV" : NULL;
@@ -165,18 +197,20 @@ static const char *decode_attention_shape(const long *i) {
 
 static void decode_attention_sizes(const long *i, Py_ssize_t *n) {
     n[DA_Q] = n[DA_OUT] = (Py_ssize_t)i[DA_B] * i[DA_H] * i[DA_HD];
-    n[DA_K] = n[DA_V] = (Py_ssize_t)i[DA_NB] * i[DA_BS] * i[DA_KV] * i[DA_HD];
+    n[DA_K] = n[DA_V] = kv_bytes(i[DA_NB], i[DA_BS], i[DA_KV], i[DA_HD], i[DA_DTYPE]);
+    n[DA_KS] = n[DA_VS] = kv_scales(i[DA_NB], i[DA_BS], i[DA_KV], i[DA_DTYPE]);
     n[DA_STARTS] = i[DA_B] + 1;
     n[DA_LENS] = i[DA_B];
     n[DA_TABLES] = NOT_SIZED; /* starts[B] ids: checked once starts is */
 }
 
-static const entry_spec DECODE_ATTENTION = {"decode_attention", 14, {
-    [DA_Q] = F32("q"), [DA_K] = F32("k"), [DA_V] = F32("v"), [DA_TABLES] = IDS("tables", DA_NB, "block id"),
+static const entry_spec DECODE_ATTENTION = {"decode_attention", 17, {
+    [DA_Q] = F32("q"), [DA_K] = BYTES("k"), [DA_V] = BYTES("v"), [DA_KS] = F32("k_scale"), [DA_VS] = F32("v_scale"),
+    [DA_TABLES] = IDS("tables", DA_NB, "block id"),
     [DA_STARTS] = I64("starts"), [DA_LENS] = I64("lens"), [DA_OUT] = F32_OUT("out"), [DA_B] = INT("B", 1, 1 << 20),
     [DA_H] = INT("H", 1, 4096), [DA_KV] = INT("KV", 1, 4096), [DA_HD] = INT("hd", 1, 1024),
     [DA_BS] = INT("block_size", 1, 1 << 16), [DA_NB] = INT("num_blocks", 1, 1L << 40),
-    [DA_THREADS] = INT("threads", 0, 1)}, decode_attention_shape, decode_attention_sizes};
+    [DA_THREADS] = INT("threads", 0, 1), [DA_DTYPE] = KV_DTYPE}, decode_attention_shape, decode_attention_sizes};
 
 static int check_block_tables(call_t *c) { /* every sequence's keys fit its table; then the table ids */
     const int64_t *st = c->p[DA_STARTS], *ln = c->p[DA_LENS];
@@ -198,11 +232,12 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_s
     if (parse_call(&DECODE_ATTENTION, args, nargs, &c) < 0) return NULL;
     if (check_block_tables(&c) < 0) return end_call(&c, NULL);
     const long *i = c.i;
+    if (check_kv_items(&c, DA_K, DA_V, i[DA_DTYPE]) < 0) return end_call(&c, NULL);
+    const kv_layer_t L = kv_layer(&c, DA_K, DA_V, DA_KS, DA_VS, i[DA_KV], i[DA_HD], i[DA_BS], i[DA_DTYPE]);
     int failed;
     Py_BEGIN_ALLOW_THREADS;
-    failed = decode_attention(c.p[DA_Q], c.p[DA_K], c.p[DA_V], c.p[DA_TABLES], c.p[DA_STARTS], c.p[DA_LENS],
-                              c.p[DA_OUT], (int)i[DA_B], (int)i[DA_H], (int)i[DA_KV], (int)i[DA_HD], (int)i[DA_BS],
-                              (int)i[DA_THREADS]);
+    failed = decode_attention(c.p[DA_Q], &L, c.p[DA_TABLES], c.p[DA_STARTS], c.p[DA_LENS], c.p[DA_OUT],
+                              (int)i[DA_B], (int)i[DA_H], (int)i[DA_THREADS]);
     Py_END_ALLOW_THREADS;
     if (failed) return no_memory(&c);
     return end_call(&c, Py_None);
@@ -279,28 +314,32 @@ static PyObject *py_silu_mul(PyObject *self, PyObject *const *args, Py_ssize_t n
     return end_call(&c, Py_None);
 }
 
-/* ---- write_kv(k_layer, v_layer, qkv, slots, T, H, KV, hd, nslots): K and V rows of each token into its slot ---- */
-enum { KV_K, KV_V, KV_QKV, KV_SLOTS, KV_T, KV_H, KV_KV, KV_HD, KV_NSLOTS };
+/* ---- write_kv(k_layer, v_layer, k_scale, v_scale, qkv, slots, T, H, KV, hd, nslots, dtype): K and V rows of each
+ * token into its slot, converted to the stored type (int8: the scale of each (slot, KV head) into k/v_scale) ---- */
+enum { KV_K, KV_V, KV_KS, KV_VS, KV_QKV, KV_SLOTS, KV_T, KV_H, KV_KV, KV_HD, KV_NSLOTS, KV_DT };
 
 static void write_kv_sizes(const long *i, Py_ssize_t *n) {
-    n[KV_K] = n[KV_V] = (Py_ssize_t)i[KV_NSLOTS] * i[KV_KV] * i[KV_HD];
+    n[KV_K] = n[KV_V] = kv_bytes(i[KV_NSLOTS], 1, i[KV_KV], i[KV_HD], i[KV_DT]);
+    n[KV_KS] = n[KV_VS] = kv_scales(i[KV_NSLOTS], 1, i[KV_KV], i[KV_DT]);
     n[KV_QKV] = (Py_ssize_t)i[KV_T] * (i[KV_H] + 2 * i[KV_KV]) * i[KV_HD];
     n[KV_SLOTS] = i[KV_T];
 }
 
-static const entry_spec WRITE_KV = {"write_kv", 9, {
-    [KV_K] = F32_OUT("k_layer"), [KV_V] = F32_OUT("v_layer"), [KV_QKV] = F32("qkv"),
+static const entry_spec WRITE_KV = {"write_kv", 12, {
+    [KV_K] = {"k_layer", ARG_BYTES_OUT, 0, 0, 0, NULL}, [KV_V] = {"v_layer", ARG_BYTES_OUT, 0, 0, 0, NULL},
+    [KV_KS] = F32_OUT("k_scale"), [KV_VS] = F32_OUT("v_scale"), [KV_QKV] = F32("qkv"),
     [KV_SLOTS] = IDS("slots", KV_NSLOTS, "slot"), [KV_T] = INT("T", 0, 1L << 30), [KV_H] = INT("H", 1, 4096),
-    [KV_KV] = INT("KV", 1, 4096), [KV_HD] = INT("hd", 1, 4096), [KV_NSLOTS] = INT("nslots", 1, 1L << 40)},
-    NULL, write_kv_sizes};
+    [KV_KV] = INT("KV", 1, 4096), [KV_HD] = INT("hd", 1, 4096), [KV_NSLOTS] = INT("nslots", 1, 1L << 40),
+    [KV_DT] = KV_DTYPE}, NULL, write_kv_sizes};
 
 static PyObject *py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     call_t c;
     if (parse_call(&WRITE_KV, args, nargs, &c) < 0) return NULL;
     const long *i = c.i;
+    if (check_kv_items(&c, KV_K, KV_V, i[KV_DT]) < 0) return end_call(&c, NULL);
     Py_BEGIN_ALLOW_THREADS;
-    write_kv_rows(c.p[KV_K], c.p[KV_V], c.p[KV_QKV], c.p[KV_SLOTS], (int)i[KV_T], (int)i[KV_H], (int)i[KV_KV],
-                  (int)i[KV_HD]);
+    write_kv_rows(c.p[KV_K], c.p[KV_V], c.p[KV_KS], c.p[KV_VS], c.p[KV_QKV], c.p[KV_SLOTS], (int)i[KV_T],
+                  (int)i[KV_H], (int)i[KV_KV], (int)i[KV_HD], (int)i[KV_DT]);
     Py_END_ALLOW_THREADS;
     return end_call(&c, Py_None);
 }
@@ -378,13 +417,16 @@ static PyMethodDef methods[] = {
     {"attention", FASTCALL(py_attention),
      "attention(q, k, v, out, n, ctx, H, KV, hd, threads): causal grouped-query attention of one sequence"},
     {"paged_attention", FASTCALL(py_paged_attention),
-     "paged_attention(q, k, v, table, out, n, ctx, H, KV, hd, bs, num_blocks, threads): causal attention in place"},
+     "paged_attention(q, k, v, k_scale, v_scale, table, out, n, ctx, H, KV, hd, bs, num_blocks, threads, dtype): "
+     "causal attention in place"},
     {"decode_attention", FASTCALL(py_decode_attention),
-     "decode_attention(q, k, v, tables, starts, lens, out, B, H, KV, hd, bs, num_blocks, threads)"},
+     "decode_attention(q, k, v, k_scale, v_scale, tables, starts, lens, out, B, H, KV, hd, bs, num_blocks, threads, "
+     "dtype)"},
     {"rmsnorm", FASTCALL(py_rmsnorm), "rmsnorm(x, gain, eps, out, T, D)"},
     {"rope", FASTCALL(py_rope), "rope(x, table, positions, T, nheads, nrot, hd, P)"},
     {"silu_mul", FASTCALL(py_silu_mul), "silu_mul(gate_up, out, T, F)"},
-    {"write_kv", FASTCALL(py_write_kv), "write_kv(k_layer, v_layer, qkv, slots, T, H, KV, hd, nslots)"},
+    {"write_kv", FASTCALL(py_write_kv),
+     "write_kv(k_layer, v_layer, k_scale, v_scale, qkv, slots, T, H, KV, hd, nslots, dtype)"},
     {"set_num_threads", py_set_num_threads, METH_O, "threads used by the kernels (including the caller)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, ""},
     {"set_spin_us", py_set_spin_us, METH_O, "how long idle workers spin before sleeping (microseconds)"},

@@ -1,0 +1,136 @@
+"""Batch-invariant attention: a query's output is the same bits whatever else runs with it.
+
+Decode attention (csrc/decode_attention.c) alone vs in a batch of 16 sequences of other lengths, at contexts
+long enough for its key spans to run as separate tasks (3000 keys), whatever the pool's size; a prefill row
+(csrc/attention.c, paged and contiguous) vs the decode call for the same position; every KV stored type; the
+AVX2 path and the portable one (force_generic). The numba decode kernel (the fallback) alone vs in a batch.
+Equality is np.array_equal, never allclose.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service.engine.kernels.attention import causal_attention, paged_causal_attention
+from service.engine.kernels.backend import BACKEND
+from service.engine.kernels.kv_cache import KV_FORMATS, KVCache, KVLayer
+from service.engine.kernels.ops import write_kv
+from service.engine.kernels.paged_attention import DecodeAttention
+
+needs_ext = pytest.mark.skipif(BACKEND.ext is None, reason="the compiled kernels extension is not built")
+H, KV, HD, BS = 9, 3, 64, 16  # SmolLM2's heads
+LENS = [3000, 1, 17, 255, 256, 257, 511, 1024, 1500, 2999, 40, 700, 2048, 90, 1300, 600]  # a batch of 16
+NUM_BLOCKS = sum(-(-n // BS) for n in LENS) + 8
+
+
+@pytest.fixture(params=[False, True], ids=["native-isa", "portable"])
+def isa(request: pytest.FixtureRequest):
+    BACKEND.ext.force_generic(request.param)
+    yield
+    BACKEND.ext.force_generic(False)
+
+
+def filled_cache(dtype: str, seed: int = 0) -> tuple[KVLayer, list[np.ndarray]]:
+    """One layer's cache of `dtype` holding random K, V for every sequence of LENS (shuffled blocks), written
+    through the KV-write kernel; the block tables."""
+    rng = np.random.default_rng(seed)
+    cache = KVCache(1, NUM_BLOCKS, BS, KV, HD, dtype)
+    ids = rng.permutation(NUM_BLOCKS)
+    tables, used = [], 0
+    for n in LENS:
+        tables.append(ids[used : used + -(-n // BS)].astype(np.int64))
+        used += len(tables[-1])
+    layer = cache.layer(0)
+    for n, table in zip(LENS, tables, strict=True):
+        qkv = rng.standard_normal((n, H + 2 * KV, HD), dtype=np.float32)  # only the K and V heads are written
+        slots = (table[np.arange(n) // BS] * BS + np.arange(n) % BS).astype(np.int64)
+        write_kv(layer, qkv, slots, H)
+    return layer, tables
+
+
+def decode(kv: KVLayer, q: np.ndarray, tables: list[np.ndarray], lens: list[int], threads: int, kind: str = "c"):
+    attn = DecodeAttention(kind)
+    return attn(q, kv, attn.prepare(tables, np.array(lens, np.int64)), threads)  # [B, H, HD]
+
+
+def queries(n: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, H, HD), dtype=np.float32) / np.float32(8.0)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", list(KV_FORMATS))
+@pytest.mark.parametrize("threads", [0, 1], ids=["pool", "1-thread"])
+def test_decode_row_is_the_same_alone_and_in_a_batch_of_16(dtype: str, threads: int, isa) -> None:
+    kv, tables = filled_cache(dtype)
+    q = queries(len(LENS))
+    batch = decode(kv, q, tables, LENS, threads)
+    for b in (0, 3, 4, 5, 9, 15):  # 3000 keys (12 spans), span edges 255 / 256 / 257, 2999, 600
+        alone = decode(kv, q[b : b + 1], [tables[b]], [LENS[b]], threads)
+        assert np.array_equal(alone[0], batch[b]), (dtype, b, LENS[b])
+    pair = decode(kv, q[[0, 9]], [tables[0], tables[9]], [LENS[0], LENS[9]], threads)
+    assert np.array_equal(pair, batch[[0, 9]])
+
+
+@needs_ext
+def test_decode_does_not_depend_on_the_pool_size() -> None:
+    """Whether the key spans run as separate tasks (an idle pool) or in turn inside a task: the same bits."""
+    kv, tables = filled_cache("float32")
+    q = queries(len(LENS))
+    before = BACKEND.ext.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 16):
+            BACKEND.ext.set_num_threads(n)
+            outs.append(decode(kv, q[:1], tables[:1], LENS[:1], 0))
+            outs.append(decode(kv, q, tables, LENS, 0)[:1])
+    finally:
+        BACKEND.ext.set_num_threads(before)
+    for out in outs[1:]:
+        assert np.array_equal(out, outs[0])
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", list(KV_FORMATS))
+@pytest.mark.parametrize("threads", [0, 1], ids=["pool", "1-thread"])
+@pytest.mark.parametrize("rows", [(2960, 3000), (0, 40), (200, 300), (250, 262)], ids=str)
+def test_prefill_row_equals_the_decode_call_for_its_position(dtype: str, threads: int, rows: tuple, isa) -> None:
+    """A chunk of queries at positions rows[0] .. rows[1] - 1 of sequence 0 (3000 keys): row i of the paged
+    prefill kernel is bitwise the decode kernel's output for a query at that position (keys 0 .. position)."""
+    kv, tables = filled_cache(dtype)
+    start, stop = rows
+    q = queries(stop - start, seed=stop)
+    prefill = paged_causal_attention(q, kv, tables[0], stop, threads).reshape(stop - start, H, HD)
+    for i in range(0, stop - start, 7):
+        alone = decode(kv, q[i : i + 1], tables[:1], [start + i + 1], threads)
+        assert np.array_equal(prefill[i], alone[0]), (dtype, start + i)
+    # and as one row of the whole decode batch
+    lens = [start + 1, *LENS[1:]]
+    qb = queries(len(LENS))
+    qb[0] = q[0]
+    assert np.array_equal(prefill[0], decode(kv, qb, tables, lens, threads)[0])
+
+
+@needs_ext
+def test_contiguous_prefill_equals_the_paged_one_and_decode(isa) -> None:
+    kv, tables = filled_cache("float32")
+    k, v = kv.dense(tables[0], 600)  # [600, KV, HD]
+    q = queries(20, seed=5)
+    contiguous = causal_attention(q, k, v, 0)
+    assert np.array_equal(contiguous, paged_causal_attention(q, kv, tables[0], 600, 1))
+    last = decode(kv, q[-1:], tables[:1], [600], 0)
+    assert np.array_equal(contiguous[-1], last[0].reshape(-1))
+
+
+@pytest.mark.skipif(BACKEND.numba is None, reason="numba is not installed")
+def test_numba_decode_row_is_the_same_alone_and_in_a_batch() -> None:
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((NUM_BLOCKS, BS, KV, HD), dtype=np.float32)
+    v = rng.standard_normal((NUM_BLOCKS, BS, KV, HD), dtype=np.float32)
+    none = np.zeros(0, np.float32)
+    kv = KVLayer(k, v, none, none, KV_FORMATS["float32"])
+    _, tables = filled_cache("float32")
+    q = queries(len(LENS))
+    batch = decode(kv, q, tables, LENS, 1, kind="numba")
+    for b in (0, 1, 9):
+        assert np.array_equal(decode(kv, q[b : b + 1], [tables[b]], [LENS[b]], 1, kind="numba")[0], batch[b])
