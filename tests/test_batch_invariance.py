@@ -3,9 +3,11 @@
 - The quantized matmul: each x row's output is bitwise identical alone, in any batch of up to 40 rows, on the
   direct and block-panel paths, on every kernel ISA this CPU runs (forced dispatch); the SIMD ISAs (AVX-512,
   AVX2) equal each other bitwise (one canonical order, csrc/matmul.c), the portable C path equals itself.
-- The model runner on the default SmolLM2 engine: a sequence's logits alone equal its logits in a decode step of
-  16 sequences of other lengths, and a token's logits as the last row of a multi-token (prefill chunk) step
-  equal its logits as a one-token decode step.
+- The model runner on the default SmolLM2 engine, on each SIMD ISA: a sequence's logits alone equal its logits
+  in a decode step of 16 sequences of other lengths, and a token's logits as the last row of a multi-token
+  (prefill chunk) step equal its logits as a one-token decode step.
+Not invariant: the numpy fallback (dequantize + BLAS, where neither the extension nor numba runs): BLAS picks
+its own blocking by shape.
 """
 
 from __future__ import annotations
@@ -31,6 +33,20 @@ ROWS = 40  # rows of x: past the direct path (8), several micro-kernel passes (6
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     if not ISAS:
         pytest.skip("the compiled kernels extension does not run the matmuls here (LLM_QUANT_KERNELS, no compiler)")
+    assert BACKEND.ext.force_isa(request.param) == request.param
+    yield request.param
+    BACKEND.ext.force_isa("best")
+
+
+SIMD_ISAS = tuple(i for i in ISAS if i != "generic")
+
+
+@pytest.fixture(params=SIMD_ISAS or ["no-simd"])
+def simd_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The runner-level tests on each SIMD ISA (the portable path is checked at the kernel level: a whole model's
+    prefill on it takes minutes)."""
+    if not SIMD_ISAS:
+        pytest.skip("no SIMD kernel ISA runs here (no AVX2, or no extension)")
     assert BACKEND.ext.force_isa(request.param) == request.param
     yield request.param
     BACKEND.ext.force_isa("best")
@@ -96,7 +112,7 @@ def _prefill(runner: NumpyRunner, seqs: list[list[int]], tables: list[list[int]]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("context", [100, 700], ids=lambda c: f"{c}-keys")
-def test_decode_logits_alone_equal_logits_in_a_batch_of_16(runner: NumpyRunner, context: int) -> None:
+def test_decode_logits_alone_equal_logits_in_a_batch_of_16(runner: NumpyRunner, context: int, simd_isa: str) -> None:
     rng = np.random.default_rng(context)
     lens = [context] + [int(n) for n in rng.integers(1, context + 1, size=15)]  # the others: other lengths
     seqs = [rng.integers(0, 49152, size=n).tolist() for n in lens]
@@ -114,7 +130,7 @@ def test_decode_logits_alone_equal_logits_in_a_batch_of_16(runner: NumpyRunner, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("context", [40, 700], ids=lambda c: f"{c}-keys")
-def test_a_multi_token_step_row_equals_a_one_token_step(runner: NumpyRunner, context: int) -> None:
+def test_a_multi_token_step_row_equals_a_one_token_step(runner: NumpyRunner, context: int, simd_isa: str) -> None:
     rng = np.random.default_rng(context + 1)
     ids = rng.integers(0, 49152, size=context + 5).tolist()
     table = list(range(-(-(context + 5) // runner.block_size)))
