@@ -181,7 +181,8 @@ class LlamaServer:
     With an explicit -np the KV cache is not unified (this llama.cpp: unified only when -np is auto), so each slot
     gets exactly ctx_per_slot positions (n_ctx / n_parallel); `slot_n_ctx` reports what the server says.
     `--cache-ram 0` turns off the host-RAM prompt cache (requests also send cache_prompt=false).
-    Waits for GET /health == 200; the server's log goes to `log_path` (a temp file unless given)."""
+    Waits for GET /health == 200; the server's log goes to `log_path` (a temp file unless given), and
+    `system_info` is the line it logs at startup (its threads and the CPU features it was built for)."""
 
     def __init__(
         self,
@@ -206,6 +207,7 @@ class LlamaServer:
         self.props: dict = {}
         self.slot_n_ctx: int | None = None
         self.startup_s: float | None = None
+        self.system_info: str = ""
 
     @property
     def url(self) -> str:
@@ -268,6 +270,7 @@ class LlamaServer:
                     break
                 time.sleep(0.25)
             self.startup_s = time.monotonic() - t0
+            self.system_info = system_info_of(self.log_tail(1 << 20))
             with contextlib.suppress(Exception):
                 self.props = get_json(self.url + "/props")
                 self.slot_n_ctx = (self.props.get("default_generation_settings") or {}).get("n_ctx")
@@ -282,6 +285,15 @@ class LlamaServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def system_info_of(log: str) -> str:
+    """The text after 'system_info:' in llama.cpp's log ('n_threads = 2 ... | CPU : SSE3 = 1 | AVX2 = 1 | ...'),
+    or '' where it logged none."""
+    for line in log.splitlines():
+        if "system_info:" in line:
+            return line.split("system_info:", 1)[1].strip()
+    return ""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -363,6 +375,7 @@ def main() -> None:
                 "total_slots": srv.props.get("total_slots"),
                 "build_info": srv.props.get("build_info"),
                 "startup_s": round(srv.startup_s, 2),
+                "system_info": srv.system_info,
                 "log": srv.log_path,
             }
         out["concurrent"] = r

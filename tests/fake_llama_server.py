@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     args, _ = p.parse_known_args(argv)
+    print("main: system_info: n_threads = 2 | CPU : FAKE = 1 |", file=sys.stderr, flush=True)  # as llama.cpp logs
     fake_server(args.host, args.port, args.model).serve_forever()  # SIGTERM ends it
 
 
