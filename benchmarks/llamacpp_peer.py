@@ -181,8 +181,8 @@ class LlamaServer:
     With an explicit -np the KV cache is not unified (this llama.cpp: unified only when -np is auto), so each slot
     gets exactly ctx_per_slot positions (n_ctx / n_parallel); `slot_n_ctx` reports what the server says.
     `--cache-ram 0` turns off the host-RAM prompt cache (requests also send cache_prompt=false).
-    Waits for GET /health == 200; the server's log goes to `log_path` (a temp file unless given), and
-    `system_info` is the line it logs at startup (its threads and the CPU features it was built for)."""
+    Waits for GET /health == 200; the server's log goes to `log_path` (a temp file unless given).
+    `system_info` is server_system_info(binary, threads): its threads and the CPU features it was built for."""
 
     def __init__(
         self,
@@ -254,6 +254,7 @@ class LlamaServer:
             fd, self.log_path = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
             os.close(fd)
         log = open(self.log_path, "wb")
+        self.system_info = server_system_info(self.binary, self.threads)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
@@ -270,7 +271,6 @@ class LlamaServer:
                     break
                 time.sleep(0.25)
             self.startup_s = time.monotonic() - t0
-            self.system_info = system_info_of(self.log_tail(1 << 20))
             with contextlib.suppress(Exception):
                 self.props = get_json(self.url + "/props")
                 self.slot_n_ctx = (self.props.get("default_generation_settings") or {}).get("n_ctx")
@@ -294,6 +294,19 @@ def system_info_of(log: str) -> str:
         if "system_info:" in line:
             return line.split("system_info:", 1)[1].strip()
     return ""
+
+
+def server_system_info(binary: str, threads: int) -> str:
+    """llama-server's system_info with `threads` threads. This llama.cpp (0c1e570) logs it only at trace verbosity
+    (-lv 4), at startup before it loads a model; so a run of its own, asked for a model that is not there, prints it
+    and exits at once (the measured server keeps the default verbosity: no trace logging while it serves)."""
+    t = str(threads)
+    cmd = [binary, "-lv", "4", "-t", t, "-tb", t, "-m", os.devnull + ".gguf", "--port", "0"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return system_info_of(p.stdout + p.stderr)
 
 
 # ----------------------------------------------------------------------------------------------------------------

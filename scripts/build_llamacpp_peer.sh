@@ -28,5 +28,10 @@ if [ ! -x "$DIR/bin/llama-server" ]; then
     cmake --build "$src/build-static" --target llama-server -j2
     cp "$src/build-static/bin/llama-server" "$DIR/bin/"
 fi
+# What each was built for (GGML_NATIVE: this host's ISA). llama-server logs its system_info only at trace verbosity
+# (-lv 4), at startup before it loads a model: asked for a model that is not there, it prints it and exits.
 echo "llama-cpp-python: $DIR/venv/bin/python"
+echo "  system_info: $("$DIR/venv/bin/python" -c 'import llama_cpp; print(llama_cpp.llama_print_system_info().decode().strip())')"
 echo "llama-server:     $DIR/bin/llama-server"
+echo "  $("$DIR/bin/llama-server" --version 2>&1 | head -1)"
+echo "  $(timeout 60 "$DIR/bin/llama-server" -lv 4 -m "$DIR/no-model.gguf" --port 0 2>&1 | grep -m1 -o 'system_info:.*' || true)"
