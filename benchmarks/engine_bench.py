@@ -37,6 +37,7 @@ from service.engine.runners import numpy_runner
 from service.engine.runners.base import ForwardBatch, SeqChunk
 from service.engine.runners.numpy_runner import NumpyRunner
 
+LENGTHS = {"prompt_len": 512, "decode_tokens": 128, "decode_context": 16}  # the defaults (the report names others)
 CATEGORIES = ("matmuls", "attention", "norms/RoPE/SiLU", "LM head", "other (embedding, Python)")
 
 
@@ -169,9 +170,10 @@ def main() -> None:
     p = bench_parser(__doc__, "engine", engines=True,
                      engine_help="engine directories (e.g. the default, packed, engine and a --weight-only none one)")  # fmt: skip
     p.add_argument("--runs", type=int, default=5, help="interleaved rounds (every engine and the peer each round)")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--decode-tokens", type=int, default=128)
-    p.add_argument("--decode-context", type=int, default=16, help="prompt tokens before the decode steps")
+    p.add_argument("--prompt-len", type=int, default=LENGTHS["prompt_len"])
+    p.add_argument("--decode-tokens", type=int, default=LENGTHS["decode_tokens"])
+    p.add_argument("--decode-context", type=int, default=LENGTHS["decode_context"],
+                   help="prompt tokens before the decode steps")  # fmt: skip
     p.add_argument("--llama-python", help="a Python with llama-cpp-python: llama.cpp measured in the same run")
     args = p.parse_args()
 
@@ -210,12 +212,17 @@ def _gguf_of(runner: NumpyRunner) -> str:
     return str(smollm2_gguf_path()) if runner.config.source.get("kind") == "gguf" else ""
 
 
+def _lengths(args: argparse.Namespace) -> dict[str, int]:
+    return {k: getattr(args, k) for k in LENGTHS}
+
+
 def _report(args, runs, peer, gemm, bandwidth, prompt, short) -> list[str]:
     mean_ctx = args.decode_context + args.decode_tokens / 2
     lines = [
         "## Native engine, single request (`python -m benchmarks.engine_bench`)",
         "",
         f"Command: `python -m benchmarks.engine_bench --engine {' '.join(args.engine)} --runs {args.runs}"
+        + "".join(f" --{k.replace('_', '-')} {v}" for k, v in _lengths(args).items() if v != LENGTHS[k])
         + (" --llama-python PY" if args.llama_python else "")
         + " --write`  ",
         f"Machine: {machine_line()}. Medians of {args.runs} interleaved rounds (every engine"

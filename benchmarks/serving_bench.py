@@ -156,7 +156,13 @@ def main() -> None:
         "## Serving: concurrency sweep through gRPC (`python -m benchmarks.serving_bench`)",
         "",
         f"Command: `python -m benchmarks.serving_bench --engine {args.engine} --concurrency {joined(levels)}"
-        + (f" --llama-server PATH --rounds {args.rounds}" if args.llama_server else "")
+        + (f" --input-len {args.input_len}" if args.input_len != 128 else "")
+        + (f" --output-len {args.output_len}" if args.output_len != 128 else "")
+        + (
+            f" --llama-server PATH --compare-concurrency {args.compare_concurrency} --rounds {args.rounds}"
+            if args.llama_server
+            else ""
+        )
         + " --write`  ",
         f"Machine: {machine_line()}. The service runs as `python -m service` (native engine, weights "
         f"{load_engine_config(args.engine).weight_format}, kernel path {kernel_path()}, defaults: 512-token steps, "
