@@ -1,6 +1,7 @@
 """Shared benchmark helpers: the command line (engine, sweep, rounds, --write), the service and load-tester runs,
-the machine's load (a CPU meter, waiting for a quiet machine), medians of interleaved rounds, machine ceilings,
-and writing a section of docs/benchmarks.md."""
+the machine's load (a CPU meter, waiting for a quiet machine), medians of interleaved rounds, machine ceilings
+(service/engine/roofline.py: the one GEMM rate and the one read bandwidth), our kernel path, and writing a section
+of docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.engine.roofline import gemm_gflops, median_time, read_bandwidth_gbs
+from service.engine.roofline import gemm_gflops, read_bandwidth_gbs, read_method
 
 __all__ = [
     "CpuMeter",
@@ -33,14 +34,16 @@ __all__ = [
     "Rounds",
     "add_sweep_args",
     "bench_parser",
+    "ceilings_line",
     "free_port",
     "gemm_gflops",
     "joined",
+    "kernel_path",
     "loadtest",
     "machine_line",
-    "median_time",
     "publish",
     "read_bandwidth_gbs",
+    "read_method",
     "read_metric",
     "running_service",
     "start_service",
@@ -207,6 +210,24 @@ def machine_line() -> str:
     except OSError:
         pass
     return f"{cpu}, {os.cpu_count()} cores, numpy {np.__version__}, Python {platform.python_version()}"
+
+
+def ceilings_line(gemm: float, bandwidth: float, runs: int, n: int = 2048) -> str:
+    """The report line of the ceilings measured in the run (roofline.gemm_gflops and read_bandwidth_gbs)."""
+    return (
+        f"Ceilings in the same run: fp32 GEMM {n}^3 {gemm:.0f} GFLOP/s (best of {runs}); read bandwidth "
+        f"{bandwidth:.1f} GB/s ({read_method(runs)})."
+    )
+
+
+def kernel_path() -> str:
+    """Which kernels ours ran, for report lines: BACKEND.name ('c-avx2', 'numba', ...), and its ISA where the
+    backend names one apart from the name."""
+    from service.engine.kernels.backend import BACKEND
+
+    isa = getattr(BACKEND, "isa", None)
+    isa = isa() if callable(isa) else isa
+    return BACKEND.name + (f" (ISA {isa})" if isa and str(isa) not in BACKEND.name else "")
 
 
 def publish(name: str, lines: list[str], write: bool) -> None:

@@ -4,8 +4,10 @@
 
 Prefill: one prompt of --prompt-len tokens in one step (logits for the last token only).
 Decode: --decode-tokens steps of one token each after a --decode-context-token prompt.
-Ceilings: fp32 GEMM rate (2048^3) and read bandwidth (the best of numpy sums and BLAS GEMVs over 576 MB).
+Ceilings (service/engine/roofline.py, measured in the same run): fp32 GEMM rate (2048^3) and read bandwidth (an
+fp32 GEMV over a matrix of >= 4x the last-level cache), each the best of --runs.
 Ratios: decode roofline = bytes a step must read (weights + KV) / bandwidth; prefill = achieved GFLOP/s / GEMM.
+The report names our kernel path (BACKEND.name) and, with --llama-python, llama.cpp's system_info.
 Where the time goes: one extra run with every named kernel of the runner wrapped in a timer.
 """
 
@@ -21,12 +23,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchmarks.common import bench_parser, gemm_gflops, machine_line, publish, read_bandwidth_gbs
+from benchmarks.common import (
+    bench_parser,
+    ceilings_line,
+    gemm_gflops,
+    kernel_path,
+    machine_line,
+    publish,
+    read_bandwidth_gbs,
+)
 from build_engine.spec import load_engine_config
 from service.engine.runners import numpy_runner
 from service.engine.runners.base import ForwardBatch, SeqChunk
 from service.engine.runners.numpy_runner import NumpyRunner
 
+LENGTHS = {"prompt_len": 512, "decode_tokens": 128, "decode_context": 16}  # the defaults (the report names others)
 CATEGORIES = ("matmuls", "attention", "norms/RoPE/SiLU", "LM head", "other (embedding, Python)")
 
 
@@ -149,7 +160,7 @@ def _peer_round(peer: dict | None, llama_python: str | None, gguf: str, args: ar
 
     r = single_stream(llama_python, gguf, threads=2, prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
                       runs=1)  # fmt: skip
-    peer = peer or {"decode_tok_s": [], "prefill_tok_s": []}
+    peer = peer or {"decode_tok_s": [], "prefill_tok_s": [], "system_info": r["system_info"]}
     peer["decode_tok_s"].append(r["decode_tok_s"])
     peer["prefill_tok_s"].append(r["prefill_tok_s"])
     return peer
@@ -159,9 +170,10 @@ def main() -> None:
     p = bench_parser(__doc__, "engine", engines=True,
                      engine_help="engine directories (e.g. the default, packed, engine and a --weight-only none one)")  # fmt: skip
     p.add_argument("--runs", type=int, default=5, help="interleaved rounds (every engine and the peer each round)")
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--decode-tokens", type=int, default=128)
-    p.add_argument("--decode-context", type=int, default=16, help="prompt tokens before the decode steps")
+    p.add_argument("--prompt-len", type=int, default=LENGTHS["prompt_len"])
+    p.add_argument("--decode-tokens", type=int, default=LENGTHS["decode_tokens"])
+    p.add_argument("--decode-context", type=int, default=LENGTHS["decode_context"],
+                   help="prompt tokens before the decode steps")  # fmt: skip
     p.add_argument("--llama-python", help="a Python with llama-cpp-python: llama.cpp measured in the same run")
     args = p.parse_args()
 
@@ -179,8 +191,7 @@ def main() -> None:
 
     print("measuring ceilings ...", file=sys.stderr)
     gemm = gemm_gflops(args.runs)
-    bw = read_bandwidth_gbs(args.runs)
-    bandwidth = max(bw.values())
+    bandwidth = read_bandwidth_gbs(args.runs)
     for run in runs:  # warm-up: page in, compile
         _measure_round(run, prompt[:64], short, 4)
         run.prefill_s.clear()
@@ -191,7 +202,7 @@ def main() -> None:
         for run in runs:
             _measure_round(run, prompt, short, args.decode_tokens)
         peer = _peer_round(peer, args.llama_python, gguf, args)
-    lines = _report(args, runs, peer, gemm, bw, bandwidth, prompt, short)
+    lines = _report(args, runs, peer, gemm, bandwidth, prompt, short)
     publish("engine_bench", lines, args.write)
 
 
@@ -201,21 +212,25 @@ def _gguf_of(runner: NumpyRunner) -> str:
     return str(smollm2_gguf_path()) if runner.config.source.get("kind") == "gguf" else ""
 
 
-def _report(args, runs, peer, gemm, bw, bandwidth, prompt, short) -> list[str]:
+def _lengths(args: argparse.Namespace) -> dict[str, int]:
+    return {k: getattr(args, k) for k in LENGTHS}
+
+
+def _report(args, runs, peer, gemm, bandwidth, prompt, short) -> list[str]:
     mean_ctx = args.decode_context + args.decode_tokens / 2
     lines = [
         "## Native engine, single request (`python -m benchmarks.engine_bench`)",
         "",
         f"Command: `python -m benchmarks.engine_bench --engine {' '.join(args.engine)} --runs {args.runs}"
+        + "".join(f" --{k.replace('_', '-')} {v}" for k, v in _lengths(args).items() if v != LENGTHS[k])
         + (" --llama-python PY" if args.llama_python else "")
         + " --write`  ",
         f"Machine: {machine_line()}. Medians of {args.runs} interleaved rounds (every engine"
         + (", then llama.cpp," if peer else "")
         + " in each); ceilings measured in the same run.",
         "",
-        f"Ceilings: fp32 GEMM 2048^3 {gemm:.0f} GFLOP/s; read bandwidth (numpy sum 1 / 2 threads, GEMV [N,1024] / "
-        f"[N,576]) {bw['sum_1_thread']:.1f} / {bw['sum_2_threads']:.1f} / {bw['gemv_1024']:.1f} / "
-        f"{bw['gemv_576']:.1f} GB/s, the best ({bandwidth:.1f}) used for the rooflines.",
+        f"{ceilings_line(gemm, bandwidth, args.runs)} The rooflines divide by that bandwidth. Our kernel path: "
+        f"{kernel_path()}.",
         "",
         "| Weights | Bytes read per decode step | Decode ms/token (tok/s) | x roofline of those bytes | Matmul G weights/s "
         f"| Prefill {args.prompt_len} tok/s (GFLOP/s) | x GEMM rate |",
@@ -242,7 +257,7 @@ def _report(args, runs, peer, gemm, bw, bandwidth, prompt, short) -> list[str]:
         lines += [
             "",
             f"llama.cpp (llama-cpp-python, same GGUF, 2 threads, same run): decode {d:.1f} tok/s, prefill "
-            f"{args.prompt_len} tokens {pf:.0f} tok/s.",
+            f"{args.prompt_len} tokens {pf:.0f} tok/s. Its system_info: `{peer['system_info']}`.",
             "",
             "| Weights | decode vs llama.cpp | prefill vs llama.cpp |",
             "|---|---|---|",

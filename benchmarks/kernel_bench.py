@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import CpuMeter, machine_line, publish, wait_for_quiet
+from benchmarks.common import CpuMeter, kernel_path, machine_line, publish, wait_for_quiet
 from build_engine.packing import PackedMatrix, dequantize_packed
 from service.engine.kernels import matmul as qk
 from service.engine.kernels.backend import BACKEND
@@ -480,7 +480,7 @@ def main() -> None:
         "## Quant kernels vs fp32 BLAS (`python -m benchmarks.kernel_bench`)",
         "",
         f"Command: `{shlex.join(['python', '-m', 'benchmarks.kernel_bench', *sys.argv[1:]])}`  ",
-        f"Machine: {machine_line()}. Kernel backend {BACKEND.name}. Engine {args.engine}: {len(mats)} layer "
+        f"Machine: {machine_line()}. Kernel backend {kernel_path()}. Engine {args.engine}: {len(mats)} layer "
         f"matrices ({fmt_of(mats)}, {sum(m.size for m in mats) / 1e6:.1f} M weights, "
         f"{sum(m.nbytes for m in mats) / 1e6:.1f} MB)"
         + (f", LM head {head.source_format or head.kind} [{head.rows}, {head.cols}]" if head is not None else "")

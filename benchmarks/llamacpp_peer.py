@@ -181,7 +181,8 @@ class LlamaServer:
     With an explicit -np the KV cache is not unified (this llama.cpp: unified only when -np is auto), so each slot
     gets exactly ctx_per_slot positions (n_ctx / n_parallel); `slot_n_ctx` reports what the server says.
     `--cache-ram 0` turns off the host-RAM prompt cache (requests also send cache_prompt=false).
-    Waits for GET /health == 200; the server's log goes to `log_path` (a temp file unless given)."""
+    Waits for GET /health == 200; the server's log goes to `log_path` (a temp file unless given).
+    `system_info` is server_system_info(binary, threads): its threads and the CPU features it was built for."""
 
     def __init__(
         self,
@@ -206,6 +207,7 @@ class LlamaServer:
         self.props: dict = {}
         self.slot_n_ctx: int | None = None
         self.startup_s: float | None = None
+        self.system_info: str = ""
 
     @property
     def url(self) -> str:
@@ -252,6 +254,7 @@ class LlamaServer:
             fd, self.log_path = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
             os.close(fd)
         log = open(self.log_path, "wb")
+        self.system_info = server_system_info(self.binary, self.threads)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
@@ -282,6 +285,28 @@ class LlamaServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def system_info_of(log: str) -> str:
+    """The text after 'system_info:' in llama.cpp's log ('n_threads = 2 ... | CPU : SSE3 = 1 | AVX2 = 1 | ...'),
+    or '' where it logged none."""
+    for line in log.splitlines():
+        if "system_info:" in line:
+            return line.split("system_info:", 1)[1].strip()
+    return ""
+
+
+def server_system_info(binary: str, threads: int) -> str:
+    """llama-server's system_info with `threads` threads. This llama.cpp (0c1e570) logs it only at trace verbosity
+    (-lv 4), at startup before it loads a model; so a run of its own, asked for a model that is not there, prints it
+    and exits at once (the measured server keeps the default verbosity: no trace logging while it serves)."""
+    t = str(threads)
+    cmd = [binary, "-lv", "4", "-t", t, "-tb", t, "-m", os.devnull + ".gguf", "--port", "0"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return system_info_of(p.stdout + p.stderr)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -363,6 +388,7 @@ def main() -> None:
                 "total_slots": srv.props.get("total_slots"),
                 "build_info": srv.props.get("build_info"),
                 "startup_s": round(srv.startup_s, 2),
+                "system_info": srv.system_info,
                 "log": srv.log_path,
             }
         out["concurrent"] = r

@@ -7,7 +7,8 @@
 - TPOT against context length (128 .. 4096) at batch 1 and 16: the model runner's decode step over B sequences
   whose KV already holds `context` tokens each (random values: the time does not depend on them; median of 8
   steps);
-against the fp32 GEMM rate (prefill) and the bandwidth roofline of the bytes a step reads (decode).
+against the fp32 GEMM rate (prefill) and the bandwidth roofline of the bytes a step reads (decode), both ceilings
+measured in the same run (service/engine/roofline.py: best of 3; the read is a GEMV over >= 4x the last-level cache).
 Plots: docs/img/scaling/. Engines need max_seq_len >= the longest length (build with --max-seq-len 8192).
 """
 
@@ -20,7 +21,16 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import DOC, bench_parser, gemm_gflops, machine_line, publish, read_bandwidth_gbs
+from benchmarks.common import (
+    DOC,
+    bench_parser,
+    ceilings_line,
+    gemm_gflops,
+    kernel_path,
+    machine_line,
+    publish,
+    read_bandwidth_gbs,
+)
 from benchmarks.engine_bench import kv_bytes, prefill_flops, weight_bytes_per_step
 from build_engine.spec import load_engine_config
 from service.engine.core import EngineCore
@@ -109,7 +119,7 @@ def main() -> None:
     lengths = tuple(int(x) for x in args.lengths.split(","))
     print("measuring ceilings ...", file=sys.stderr)
     gemm = gemm_gflops(3)
-    bandwidth = max(read_bandwidth_gbs(3).values())
+    bandwidth = read_bandwidth_gbs(3)
     prefill, decode, rooflines, labels = {}, {b: {} for b in BATCHES}, {b: {} for b in BATCHES}, {}
     for engine in args.engine:
         label = load_engine_config(engine).weight_format
@@ -138,8 +148,7 @@ def main() -> None:
         + (f" --lengths {args.lengths}" if lengths != LENGTHS else "")
         + (f" --runs {args.runs}" if args.runs != 3 else "")
         + " --write`  ",
-        f"Machine: {machine_line()}. Ceilings in the same run: fp32 GEMM {gemm:.0f} GFLOP/s, read bandwidth "
-        f"{bandwidth:.1f} GB/s.",
+        f"Machine: {machine_line()}. Kernel path: {kernel_path()}. {ceilings_line(gemm, bandwidth, 3)}",
         "",
         "Prefill of one request (EngineCore, chunked at max_num_tokens), tok/s and x the GEMM rate:",
         "",

@@ -11,6 +11,7 @@ With --llama-server (llama.cpp's HTTP server binary, scripts/build_llamacpp_peer
 side and --rounds interleaved rounds at --compare-concurrency drive each through the same load tester
 (`--protocol llm`, `--protocol llama-server`): 2 x C requests each, the same lengths and prompt seed for both,
 greedy, ignore_eos, no prompt cache on either; output tok/s and TTFT / TPOT p50 compared as medians of the rounds.
+The report names our kernel path (BACKEND.name) and llama-server's system_info (the line it logs at startup).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from benchmarks.common import (
     bench_parser,
     free_port,
     joined,
+    kernel_path,
     loadtest,
     machine_line,
     publish,
@@ -61,8 +63,9 @@ def _exact(run: dict, requests: int, args: argparse.Namespace, who: str) -> dict
     return run
 
 
-def _compare(target: str, service_pid: int, args: argparse.Namespace, console: Console) -> list[tuple[dict, dict]]:
-    """Interleaved rounds at one concurrency: (ours, llama-server's) per round, the same prompts' seed in a round."""
+def _compare(target: str, service_pid: int, args: argparse.Namespace, console: Console) -> tuple[list, str]:
+    """Interleaved rounds at one concurrency: (ours, llama-server's) per round, the same prompts' seed in a round;
+    and llama-server's system_info."""
     from benchmarks.llamacpp_peer import LlamaServer
 
     c, gguf = args.compare_concurrency, args.gguf or _gguf(args.engine)
@@ -79,7 +82,7 @@ def _compare(target: str, service_pid: int, args: argparse.Namespace, console: C
             console.print(f"round {r + 1}: ours {pair[0]['output_throughput_tok_s']:.1f} tok/s, llama-server "
                           f"{pair[1]['output_throughput_tok_s']:.1f} tok/s")  # fmt: skip
             rounds.append((pair[0], pair[1]))
-    return rounds
+    return rounds, srv.system_info
 
 
 def _gguf(engine: str) -> str:
@@ -94,7 +97,7 @@ def _gguf(engine: str) -> str:
     return str(smollm2_gguf_path())
 
 
-def _compare_lines(rounds: list[tuple[dict, dict]], args: argparse.Namespace) -> list[str]:
+def _compare_lines(rounds: list[tuple[dict, dict]], args: argparse.Namespace, system_info: str = "") -> list[str]:
     ours = {key: Rounds.of((o for o, _ in rounds), key) for key in COMPARED}
     peer = {key: Rounds.of((p for _, p in rounds), key) for key in COMPARED}
     tok, ttft, tpot, others = COMPARED
@@ -117,6 +120,8 @@ def _compare_lines(rounds: list[tuple[dict, dict]], args: argparse.Namespace) ->
         f"{len(rounds)} interleaved rounds; per-round values in brackets; 'others' = CPU cores that other "
         "processes (neither server nor the load tester) used meanwhile.",
         "",
+        f"llama-server's system_info: `{system_info or 'not logged'}`; ours: kernel path {kernel_path()}.",
+        "",
         "| | Output tok/s | TTFT p50 ms | TPOT p50 ms | Others (cores) |",
         "|---|---|---|---|---|",
         row("ours (gRPC)", ours),
@@ -137,12 +142,13 @@ def main() -> None:
     args = p.parse_args()
     console = Console(stderr=True)
     compare: list[tuple[dict, dict]] = []
+    system_info = ""
     metrics_port = free_port()
     with running_service(args.engine, args.kv_cache_memory, "--metrics-port", str(metrics_port)) as (proc, port):
         target, metrics = f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
         runs = _sweep(target, metrics, args, console)
         if args.llama_server:
-            compare = _compare(target, proc.pid, args, console)
+            compare, system_info = _compare(target, proc.pid, args, console)
     report.print_table(runs)
     by_c = {r["concurrency"]: r for r in runs}
     levels = args.concurrency
@@ -150,10 +156,16 @@ def main() -> None:
         "## Serving: concurrency sweep through gRPC (`python -m benchmarks.serving_bench`)",
         "",
         f"Command: `python -m benchmarks.serving_bench --engine {args.engine} --concurrency {joined(levels)}"
-        + (f" --llama-server PATH --rounds {args.rounds}" if args.llama_server else "")
+        + (f" --input-len {args.input_len}" if args.input_len != 128 else "")
+        + (f" --output-len {args.output_len}" if args.output_len != 128 else "")
+        + (
+            f" --llama-server PATH --compare-concurrency {args.compare_concurrency} --rounds {args.rounds}"
+            if args.llama_server
+            else ""
+        )
         + " --write`  ",
         f"Machine: {machine_line()}. The service runs as `python -m service` (native engine, weights "
-        f"{load_engine_config(args.engine).weight_format}, defaults: 512-token steps, "
+        f"{load_engine_config(args.engine).weight_format}, kernel path {kernel_path()}, defaults: 512-token steps, "
         f"prefix caching on); the load tester (`python -m clients.loadtest`, same machine, sharing its 2 cores) sends "
         f"{args.input_len}-token synthetic prompts and asks for exactly {args.output_len} tokens (ignore_eos), closed "
         "loop, max(16, 3 x C) requests per level after 2 warm-up requests, every level (and the warm-up) with "
@@ -181,7 +193,7 @@ def main() -> None:
                       "than over fp32 weights (3.72x in an earlier fp32 run of this benchmark): a 16-row step is compute-bound in the dequantizing "
                       "kernels (docs/kernels.md, `x rows` table) and the client shares the 2 cores."]  # fmt: skip
     if compare:
-        lines += _compare_lines(compare, args)
+        lines += _compare_lines(compare, args, system_info)
     elif not args.llama_server:
         lines += ["", "llama-server: not compared in this run (--llama-server PATH; scripts/build_llamacpp_peer.sh)."]
     plots = report.write_plots(IMG, runs)

@@ -40,10 +40,10 @@ class StepStats:
 
 @dataclass(frozen=True, slots=True)
 class Ceilings:
-    """This machine's ceilings, measured at startup (service/engine/roofline.py measures them)."""
+    """This machine's ceilings, measured at startup, each one way (service/engine/roofline.py, docs/timing.md)."""
 
-    gemm_gflops: float  # fp32 GEMM rate
-    read_gbytes_per_s: float  # best read bandwidth measured
+    gemm_gflops: float  # fp32 GEMM rate: the best of a few 1024^3 products, BLAS on its default threads
+    read_gbytes_per_s: float  # read bandwidth: the best of a few fp32 GEMVs over >= 4x the last-level cache
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,12 +2,17 @@
 at once, standard library only, so it also runs as the `llama-server` binary of benchmarks.llamacpp_peer.LlamaServer:
 
     python tests/fake_llama_server.py -m GGUF --host 127.0.0.1 --port P [llama-server's other flags, ignored]
+
+With -lv 4 it logs a system_info line as llama.cpp does; asked for a model under os.devnull (LlamaServer's
+system_info probe) it exits at once, as llama-server does for a model it cannot load.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -83,7 +88,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-m", dest="model", default="/models/tiny-Q4_K_M.gguf")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument("-lv", dest="verbosity", type=int, default=3)
     args, _ = p.parse_known_args(argv)
+    if args.verbosity >= 4:  # trace: llama.cpp 0c1e570 logs its system_info, before it loads the model
+        print("0.00.003.183 I cmn  common_param: system_info: n_threads = 2 | CPU : FAKE = 1 |", file=sys.stderr)
+    if args.model.startswith(os.devnull):  # a model that cannot load (the system_info probe's): it exits
+        sys.exit(1)
     fake_server(args.host, args.port, args.model).serve_forever()  # SIGTERM ends it
 
 

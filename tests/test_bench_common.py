@@ -67,7 +67,8 @@ def test_llama_server_comparison_table() -> None:
 
     args = argparse.Namespace(compare_concurrency=16, input_len=128, output_len=128)
     rounds = [(_summary(200, 600, 80), _summary(100, 6000, 120)), (_summary(180, 700, 70), _summary(90, 7000, 140))]
-    lines = _compare_lines(rounds, args)
+    lines = _compare_lines(rounds, args, "CPU : AVX2 = 1 |")
+    assert any("`CPU : AVX2 = 1 |`" in line for line in lines)
     assert "| ours (gRPC) | 190.0 [200.0, 180.0] | 650 | 75.0 | 0.10 |" in lines
     assert "| llama-server (HTTP) | 95.0 [100.0, 90.0] | 6500 | 130.0 | 0.10 |" in lines
     assert lines[-1].startswith("| ratio | **2.00x** (floor 2x, stretch 3x) | **0.10x**")
@@ -75,3 +76,66 @@ def test_llama_server_comparison_table() -> None:
     short = {**_summary(1, 1, 1), "output_tokens": 32 * 128 - 5}  # a request that stopped early: not the same work
     with pytest.raises(RuntimeError, match="llama-server"):
         _exact(short, 32, args, "llama-server")
+
+
+def _cache(root, cpu: int, index: int, level: int, kind: str, size: str, shared: str) -> None:
+    d = root / f"cpu{cpu}" / "cache" / f"index{index}"
+    d.mkdir(parents=True)
+    for name, text in (("level", str(level)), ("type", kind), ("size", size), ("shared_cpu_list", shared)):
+        (d / name).write_text(text + "\n")
+
+
+def test_last_level_cache_sums_the_top_level_instances(tmp_path) -> None:
+    from service.engine import roofline
+
+    for cpu in range(4):  # two sockets of two cores: private L2s, one L3 per socket
+        _cache(tmp_path, cpu, 0, 1, "Instruction", "64K", str(cpu))
+        _cache(tmp_path, cpu, 1, 2, "Unified", "2048K", str(cpu))
+        _cache(tmp_path, cpu, 2, 3, "Unified", "32M", "0-1" if cpu < 2 else "2-3")
+    assert roofline.last_level_cache_bytes(str(tmp_path)) == 2 * 32 << 20
+    assert roofline.last_level_cache_bytes(str(tmp_path / "none")) > 0  # sysconf's L3, else the fallback
+
+
+def test_read_buffer_is_at_least_four_times_the_last_level_cache() -> None:
+    from service.engine import roofline
+
+    row = roofline.GEMV_COLS * 4
+    for llc in (1 << 20, 32 << 20, 480 << 20, (480 << 20) + 12345):
+        size = roofline.read_buffer_bytes(llc)
+        assert size >= 4 * llc and size >= roofline.MIN_READ_BYTES and size % row == 0
+        assert size < max(4 * llc, roofline.MIN_READ_BYTES) + row  # rounded up to whole rows, no more
+    assert roofline.read_buffer_bytes() >= 4 * roofline.last_level_cache_bytes()  # this machine's
+    assert "4x the" in roofline.read_method(3) and "best of 3" in roofline.read_method(3)
+
+
+def test_read_bandwidth_uses_the_sized_buffer_and_returns_a_rate(monkeypatch) -> None:
+    """The figure itself is not asserted (timings are noisy); only that it is a rate, over the buffer sized for it."""
+    import math
+
+    from service.engine import roofline
+
+    calls = []
+
+    def small_buffer() -> int:
+        calls.append(1 << 20)
+        return 1 << 20
+
+    monkeypatch.setattr(roofline, "read_buffer_bytes", small_buffer)
+    gbs = roofline.read_bandwidth_gbs(runs=2)
+    assert calls == [1 << 20] and math.isfinite(gbs) and gbs > 0
+    assert math.isfinite(roofline.gemm_gflops(runs=1, n=64)) and roofline.gemm_gflops(runs=1, n=64) > 0
+
+
+def test_kernel_path_names_the_backend() -> None:
+    from benchmarks.common import kernel_path
+    from service.engine.kernels.backend import BACKEND
+
+    assert kernel_path().startswith(BACKEND.name)
+
+
+def test_system_info_is_read_from_a_llama_log() -> None:
+    from benchmarks.llamacpp_peer import system_info_of
+
+    log = "build: 1 (0c1e570)\nmain: system_info: n_threads = 2 (n_threads_batch = 2) / 2 | CPU : AVX2 = 1 |\n"
+    assert system_info_of(log) == "n_threads = 2 (n_threads_batch = 2) / 2 | CPU : AVX2 = 1 |"
+    assert system_info_of("no such line\n") == ""

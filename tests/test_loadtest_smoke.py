@@ -107,14 +107,15 @@ def test_llama_server_comparison_path_against_a_fake_binary(engine_dir: Path, tm
     args = argparse.Namespace(llama_server=str(binary), gguf="/models/tiny.gguf", engine=str(engine_dir),
                               compare_concurrency=2, rounds=2, input_len=16, output_len=4)  # fmt: skip
     with running_server(engine_dir) as srv:
-        rounds = _compare(srv.target, os.getpid(), args, Console(stderr=True))
-    assert len(rounds) == 2
+        rounds, system_info = _compare(srv.target, os.getpid(), args, Console(stderr=True))
+    assert len(rounds) == 2 and system_info == "n_threads = 2 | CPU : FAKE = 1 |"  # read from its log
     for ours, peer in rounds:  # _compare checked the counts; these are the same work on both
         assert ours["output_tokens"] == peer["output_tokens"] == 4 * 4
         assert ours["input_tokens"] == peer["input_tokens"] == 4 * 16
         assert peer["server_ttft_ms"]["p50"] == 12.5  # the fake's timings reached the summary
-    lines = _compare_lines(rounds, args)
+    lines = _compare_lines(rounds, args, system_info)
     assert any(line.startswith("| llama-server (HTTP) |") for line in lines) and lines[-1].startswith("| ratio |")
+    assert any("`n_threads = 2 | CPU : FAKE = 1 |`" in line and "kernel path" in line for line in lines)
 
 
 @pytest.mark.slow

@@ -54,9 +54,17 @@ class ServiceMetrics:
             ["phase"],
             registry=r,
         )
-        self.machine_gflops = Gauge("llm_machine_gemm_gflops", "Measured fp32 GEMM rate of this machine.", registry=r)
+        self.machine_gflops = Gauge(
+            "llm_machine_gemm_gflops",
+            "fp32 GEMM rate of this machine, measured at startup: the best of 3 1024^3 products (BLAS, default "
+            "threads).",
+            registry=r,
+        )
         self.machine_gbs = Gauge(
-            "llm_machine_read_gbytes_per_second", "Measured read bandwidth of this machine.", registry=r
+            "llm_machine_read_gbytes_per_second",
+            "Read bandwidth of this machine, measured at startup: the best of 3 fp32 GEMVs over a matrix of at least "
+            "4x the last-level cache (BLAS, default threads; the benchmarks' ceiling, docs/timing.md).",
+            registry=r,
         )
         self.running = Gauge("llm_num_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("llm_num_requests_waiting", "Requests waiting to be scheduled.", registry=r)
