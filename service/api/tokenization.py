@@ -54,12 +54,14 @@ class TokenizationGate:
         return await asyncio.wrap_future(work)
 
     def _release(self, peer: str, num_bytes: int) -> None:
+        # NOTE: entries of 0 bytes (an empty text) share the peer's key too: the first release of two may
+        # already have dropped it
         self.bytes_in_flight -= num_bytes
-        left = self._per_peer[peer] - num_bytes
-        if left:
+        left = self._per_peer.get(peer, 0) - num_bytes
+        if left > 0:
             self._per_peer[peer] = left
         else:
-            del self._per_peer[peer]
+            self._per_peer.pop(peer, None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
