@@ -258,7 +258,8 @@ FLAGS = (
     Flag(
         "--no-measure-ceilings",
         "measure_ceilings",
-        "skip measuring the machine's GEMM rate and bandwidth at startup (native)",
+        "skip measuring the machine's GEMM rate and bandwidth (native: once SERVING, in a child process, for the "
+        "ceiling gauges)",
         negate=True,
     ),
 )

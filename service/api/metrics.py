@@ -56,13 +56,13 @@ class ServiceMetrics:
         )
         self.machine_gflops = Gauge(
             "llm_machine_gemm_gflops",
-            "fp32 GEMM rate of this machine, measured at startup: the best of 3 1024^3 products (BLAS, default "
+            "fp32 GEMM rate of this machine, measured once serving (0 until then): the best of 3 1024^3 products (BLAS, default "
             "threads).",
             registry=r,
         )
         self.machine_gbs = Gauge(
             "llm_machine_read_gbytes_per_second",
-            "Read bandwidth of this machine, measured at startup: the best of 3 fp32 GEMVs over a matrix of at least "
+            "Read bandwidth of this machine, measured once serving (0 until then): the best of 3 fp32 GEMVs over a matrix of at least "
             "4x the last-level cache (BLAS, default threads; the benchmarks' ceiling, docs/timing.md).",
             registry=r,
         )

@@ -13,9 +13,12 @@ timeout, stop the engine.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import socket
 import ssl
+import sys
 from pathlib import Path
 
 import grpc
@@ -36,8 +39,11 @@ from service.backends import load_backend
 from service.backends.base import Backend
 from service.config import ServerConfig
 from service.request import GenerateRequest, SamplingParams
+from service.telemetry import Ceilings
 
 logger = logging.getLogger(__name__)
+CEILINGS_TIMEOUT_S = 300.0  # the startup ceilings' child process, at most
+CEILINGS_COMMAND = (sys.executable, "-m", "service.engine.roofline")  # prints the ceilings as JSON
 
 SERVICE_NAME = llm_pb2.DESCRIPTOR.services_by_name["LLMService"].full_name
 CUT_GRACE_S = 2.0  # after the drain timeout, how long aborted streams get to send their final status
@@ -149,6 +155,10 @@ class LLMServer:
         self.backend = backend
         await self._set_serving(backend.is_healthy)
         logger.info("ready: %s (%s backend, model %s)", SERVICE_NAME, backend.info.backend, backend.info.model_name)
+        if self.cfg.measure_ceilings and backend.measures_ceilings:
+            task = asyncio.ensure_future(self._measure_ceilings())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _new_server(self) -> grpc.aio.Server:
         cfg = self.cfg
@@ -266,15 +276,33 @@ class LLMServer:
             reflection.enable_server_reflection(names, server)
 
     def _load_backend(self) -> Backend:
-        """In a worker thread: load the model (slow), measure the machine's ceilings (the backend's)."""
+        """In a worker thread: load the model (slow)."""
         backend = load_backend(self.cfg.backend)
-        ceilings = backend.ceilings() if self.cfg.measure_ceilings else None
-        if ceilings is not None:
-            logger.info(
-                "machine: %.0f GFLOP/s fp32 GEMM, %.1f GB/s read", ceilings.gemm_gflops, ceilings.read_gbytes_per_s
-            )
-        self.metrics.set_static(backend.info.num_kv_blocks, ceilings)
+        self.metrics.set_static(backend.info.num_kv_blocks, None)
         return backend
+
+    async def _measure_ceilings(self) -> None:
+        """The machine's GEMM rate and read bandwidth for the step metrics, measured once after SERVING in a child
+        process at low priority (`python -m service.engine.roofline`: its buffer of 4x the last-level cache and its
+        BLAS threads stay out of this process; seconds to tens of seconds on a small VM); the gauges are unset
+        until it reports, and a failure is logged, never fatal."""
+        proc = await asyncio.create_subprocess_exec(
+            *CEILINGS_COMMAND, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+            preexec_fn=lambda: os.nice(10),
+        )  # fmt: skip
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), CEILINGS_TIMEOUT_S)
+            doc = json.loads(out)
+            ceilings = Ceilings(float(doc["gemm_gflops"]), float(doc["read_gbytes_per_s"]))
+        except (asyncio.TimeoutError, ValueError, KeyError, TypeError) as exc:
+            logger.warning("could not measure the machine's ceilings (%s): the ceiling gauges stay unset", exc)
+            return
+        finally:
+            if proc.returncode is None:  # timed out, or the server is stopping (the task was cancelled)
+                proc.kill()
+                await proc.wait()
+        self.metrics.set_static(self.backend.info.num_kv_blocks if self.backend else 0, ceilings)
+        logger.info("machine: %.0f GFLOP/s fp32 GEMM, %.1f GB/s read", ceilings.gemm_gflops, ceilings.read_gbytes_per_s)
 
     async def _warm_up(self, backend: Backend) -> None:
         """One real generation: pages the weights in, compiles kernels, proves the backend produces tokens."""

@@ -80,6 +80,7 @@ class Backend(Protocol):
     info: BackendInfo
     tokenizer: Tokenizer  # the engine's tokenizer: prompts are tokenized, and outputs detokenized, by us
     kv_events: KvEventLog | None  # the prefix cache's KV events (SubscribeKvEvents); None: not published
+    measures_ceilings: bool  # its steps run on this machine: the server measures its ceilings for the step metrics
 
     def start(self, on_health_change: Callable[[bool], None], on_fatal: Callable[[str], None]) -> None:
         """Start serving (called in the event loop, after the slow load happened in a worker thread)."""

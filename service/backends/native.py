@@ -26,14 +26,15 @@ from service.backends.streams import RequestOutputCollector
 from service.config import AdmissionConfig, BackendConfig
 from service.engine.core import EngineCore
 from service.engine.grammar import SUPPORTED_KINDS
-from service.engine.roofline import measure_ceilings
 from service.request import GenerateRequest, RequestOutput
-from service.telemetry import BackendStats, Ceilings, Observer
+from service.telemetry import BackendStats, Observer
 
 logger = logging.getLogger(__name__)
 
 
 class NativeBackend(BackendRuntime):
+    measures_ceilings = True  # its steps run on this machine: the step metrics divide by its ceilings
+
     def __init__(self, core: EngineCore, admission: AdmissionConfig | None = None, kv_event_history: int = 0) -> None:
         super().__init__(admission)
         self.core = core
@@ -75,10 +76,6 @@ class NativeBackend(BackendRuntime):
 
     def worker_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    def ceilings(self) -> Ceilings:
-        """This machine's GEMM rate and read bandwidth (the roofline the engine's steps are measured against)."""
-        return measure_ceilings(quick=True)
 
     def stats(self) -> BackendStats:
         return self.core.stats()

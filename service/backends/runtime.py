@@ -26,7 +26,6 @@ from service.backends.streams import RequestStreams
 from service.config import AdmissionConfig
 from service.errors import EngineUnavailable, QueueFull
 from service.request import RequestOutput
-from service.telemetry import Ceilings
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +113,9 @@ class BackendRuntime:
     def abort_all(self) -> None:
         """Abort every request in flight; backends override it."""
 
-    def ceilings(self) -> Ceilings | None:
-        """This machine's ceilings for the step metrics (the native engine measures them; others run elsewhere)."""
-        return None
+    # whether this machine's ceilings apply to the backend's steps (the native engine runs here; others elsewhere):
+    # the server then measures them after SERVING, in a child process (service/engine/roofline.py)
+    measures_ceilings: bool = False
 
     # ---- admission --------------------------------------------------------------------------------------
     def check_capacity(self) -> None:

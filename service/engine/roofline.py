@@ -14,6 +14,7 @@ the same method and the same buffer rule.
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import time
@@ -120,3 +121,14 @@ def measure_ceilings(quick: bool = True) -> Ceilings:
     ceilings = Ceilings(gemm_gflops(runs, n=1024 if quick else 2048), read_bandwidth_gbs(runs))
     logger.info("ceilings in %.1f s; read bandwidth: %s", time.perf_counter() - start, read_method(runs))
     return ceilings
+
+
+def main() -> None:
+    """`python -m service.engine.roofline`: the startup gauge's measurement in a process of its own (the server
+    runs it after SERVING, so its 4x-LLC buffer and its BLAS threads are never the engine's); prints JSON."""
+    c = measure_ceilings(quick=True)
+    print(json.dumps({"gemm_gflops": c.gemm_gflops, "read_gbytes_per_s": c.read_gbytes_per_s}))
+
+
+if __name__ == "__main__":
+    main()
