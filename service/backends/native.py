@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 
 from service.backends.base import BackendInfo
 from service.backends.kv_events import KvEventLog
-from service.backends.runtime import BackendRuntime
+from service.backends.runtime import ENGINE_THREAD_NAME, BackendRuntime, name_os_thread
 from service.backends.streams import RequestOutputCollector
 from service.config import AdmissionConfig, BackendConfig
 from service.engine.core import EngineCore
@@ -68,7 +68,7 @@ class NativeBackend(BackendRuntime):
         self, on_health_change: Callable[[bool], None] | None = None, on_fatal: Callable[[str], None] | None = None
     ) -> None:
         self.bind(on_health_change, on_fatal)
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
         self.start_runtime()
 
@@ -152,6 +152,7 @@ class NativeBackend(BackendRuntime):
 
     # ---- engine thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread(ENGINE_THREAD_NAME)
         core = self.core
         while True:
             outputs = self._apply_commands()
