@@ -177,9 +177,9 @@ class NativeBackend(BackendRuntime):
                 self._after_failure(f"{type(exc).__name__} in engine step")
             finally:
                 self.busy(False)
+            self._report(outputs, failed)  # first: a client that has its response finds the metrics counting it
             self.deliver(outputs, core.last_newly_scheduled)
             self._publish_kv_events()
-            self._report(outputs, failed)
 
     def _publish_kv_events(self) -> None:
         """The prefix cache's changes since the last call, as one batch (after the step that made them)."""
