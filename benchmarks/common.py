@@ -256,16 +256,18 @@ def free_port() -> int:
 
 
 def start_service(
-    engine: str, port: int, kv_memory: str, *flags: str, wrapper: tuple[str, ...] = (), log=None
-) -> subprocess.Popen:
+    engine: str, port: int, kv_memory: str, *flags: str, wrapper: tuple[str, ...] = (), log=None,
+    python: str = sys.executable, cwd: str | None = None,
+) -> subprocess.Popen:  # fmt: skip
     """`python -m service --engine ... FLAGS` on 127.0.0.1:port, returning once its health says SERVING.
 
     `wrapper`: run it through a module that takes its own flags, then `--` and the service's (tests.fault_server).
+    `python`, `cwd`: another checkout's service (an A/B against a baseline tree).
     """
     service = ["--engine", engine, "--port", str(port), "--kv-cache-memory", kv_memory, "--log-level", "WARNING"]
     service += [] if "--metrics-port" in flags else ["--metrics-port", "-1"]
     head = ["-m", wrapper[0], *wrapper[1:], "--"] if wrapper else ["-m", "service"]
-    proc = subprocess.Popen([sys.executable, *head, *service, *flags], stdout=log, stderr=log)
+    proc = subprocess.Popen([python, *head, *service, *flags], stdout=log, stderr=log, cwd=cwd)
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

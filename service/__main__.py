@@ -12,13 +12,16 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import TypeVar
 
 from build_engine.trtllm_runtime import SCHEDULER_POLICIES
 from service.api.server import LLMServer
 from service.backends import preflight
 from service.config import (
     BACKENDS,
+    EVENT_LOOPS,
     FAILURE_POLICIES,
     KV_CACHE_DTYPES,
     TRITON_MODELS,
@@ -33,6 +36,7 @@ logger = logging.getLogger("service")
 _BOOL_TRUE = {"1", "true", "yes", "on"}
 DEFAULTS = ServerConfig(backend=BackendConfig(engine_dir=""))
 FATAL_DRAIN_S = 2.0  # after an engine failure, how long the failed streams get to send their statuses
+T = TypeVar("T")
 EXIT_ENGINE_FAILED = 3  # the engine died (on_engine_error=exit): a supervisor should restart the process
 
 
@@ -262,6 +266,12 @@ FLAGS = (
         "ceiling gauges)",
         negate=True,
     ),
+    Flag(
+        "--event-loop",
+        "event_loop",
+        "the event loop: auto is uvloop's when it is installed (~20%% less CPU per streamed token), else asyncio's",
+        choices=EVENT_LOOPS,
+    ),
 )
 
 
@@ -350,12 +360,25 @@ async def serve(cfg: ServerConfig) -> int:
     return 0
 
 
+def run_loop(main: Callable[[], Coroutine[object, object, T]], event_loop: str) -> T:
+    """asyncio.run(main()) on the event loop `event_loop` names (config.EVENT_LOOPS)."""
+    if event_loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if event_loop == "uvloop":
+                raise ValueError("--event-loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        else:
+            return uvloop.run(main())
+    return asyncio.run(main())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = config_from_args(args)
-        return asyncio.run(serve(cfg))
+        return run_loop(lambda: serve(cfg), cfg.event_loop)
     except (OSError, ValueError) as exc:  # EngineFormatError, BackendLoadError, a port in use, a bad flag value
         logger.error("cannot start: %s", " ".join(str(exc).split()))  # one line, whatever the message holds
         return 2

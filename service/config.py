@@ -16,6 +16,7 @@ from build_engine.trtllm_runtime import TrtllmRuntime
 BACKENDS = ("native", "trtllm", "triton")
 FAILURE_POLICIES = ("exit", "recover")
 KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", "int8")  # the native KV cache's stored types (kernels/kv_cache.py)
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")  # auto: uvloop when it is installed, else asyncio's own
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +129,11 @@ class ServerConfig:
     log_prompts: bool = False
     reflection: bool = True
     measure_ceilings: bool = True
+    event_loop: str = "auto"  # EVENT_LOOPS (uvloop: ~20% less CPU per streamed token, benchmarks/overhead_bench.py)
 
     def __post_init__(self) -> None:
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"event_loop must be one of {EVENT_LOOPS}, got {self.event_loop!r}")
         if self.max_concurrent_rpcs < 1 or (
             self.max_rpcs_per_connection is not None and self.max_rpcs_per_connection < 1
         ):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import shutil
 import subprocess
@@ -64,3 +65,18 @@ def test_every_offline_flag_has_help() -> None:
         if line.startswith("  --") and len(line.split()) <= 2 and not nxt.startswith(" " * 8)
     ]
     assert not bare, f"flags without help: {bare}"
+
+
+def test_event_loop_flag_picks_the_loop() -> None:
+    from service.__main__ import config_from_args, parse_args, run_loop
+
+    assert config_from_args(parse_args(["--engine", "e"])).event_loop == "auto"
+    assert config_from_args(parse_args(["--engine", "e", "--event-loop", "asyncio"])).event_loop == "asyncio"
+
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert run_loop(loop_module, "asyncio").startswith("asyncio")
+    pytest.importorskip("uvloop")
+    assert run_loop(loop_module, "auto").startswith("uvloop")
+    assert run_loop(loop_module, "uvloop").startswith("uvloop")

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 
 from service.backends.base import BackendInfo
 from service.backends.kv_events import KvEventLog
-from service.backends.runtime import BackendRuntime
+from service.backends.runtime import ENGINE_THREAD_NAME, BackendRuntime, name_os_thread
 from service.backends.streams import RequestOutputCollector
 from service.config import AdmissionConfig, BackendConfig
 from service.engine.core import EngineCore
@@ -70,7 +70,7 @@ class NativeBackend(BackendRuntime):
         self, on_health_change: Callable[[bool], None] | None = None, on_fatal: Callable[[str], None] | None = None
     ) -> None:
         self.bind(on_health_change, on_fatal)
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
         self.start_runtime()
 
@@ -150,6 +150,7 @@ class NativeBackend(BackendRuntime):
 
     # ---- engine thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
+        name_os_thread(ENGINE_THREAD_NAME)
         core = self.core
         while True:
             outputs = self._apply_commands()
@@ -174,9 +175,9 @@ class NativeBackend(BackendRuntime):
                 self._after_failure(f"{type(exc).__name__} in engine step")
             finally:
                 self.busy(False)
+            self._report(outputs, failed)  # first: a client that has its response finds the metrics counting it
             self.deliver(outputs, core.last_newly_scheduled)
             self._publish_kv_events()
-            self._report(outputs, failed)
 
     def _publish_kv_events(self) -> None:
         """The prefix cache's changes since the last call, as one batch (after the step that made them)."""

@@ -45,14 +45,18 @@ class RequestOutputCollector:
     has taken it yet), or the stream closes early.
     """
 
+    __slots__ = ("_on_done", "_output", "_waiter")
+
     def __init__(self, on_done: Callable[[], None] | None = None) -> None:
         self._output: RequestOutput | None = None
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # the consumer waiting in get(), if it is
         self._on_done = on_done
 
     def put(self, out: RequestOutput) -> None:
         self._output = out if self._output is None else merge_outputs(self._output, out)
-        self._ready.set()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
         if out.finished:
             self.done()
 
@@ -63,9 +67,14 @@ class RequestOutputCollector:
 
     async def get(self) -> RequestOutput:
         while self._output is None:
-            await self._ready.wait()
+            # NOTE: one future per wait, resolved by put() directly (an asyncio.Event would add a waiter deque
+            # and a second future object per token)
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         out, self._output = self._output, None
-        self._ready.clear()
         return out
 
 

@@ -36,13 +36,16 @@ TIMING_SOURCES = {"engine": llm_pb2.TIMING_SOURCE_ENGINE, "edge": llm_pb2.TIMING
 
 
 def _chunk(out: RequestOutput) -> llm_pb2.GenerateResponse:
-    chunk = llm_pb2.Chunk(text=out.new_text, token_ids=out.new_token_ids)
+    resp = llm_pb2.GenerateResponse()
+    chunk = resp.chunk  # filled in place: a Chunk built apart would be copied into the response
+    chunk.text = out.new_text
+    chunk.token_ids.extend(out.new_token_ids)
     for lp in out.logprobs or ():
         chunk.logprobs.add(
             chosen=llm_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob),
             top=[llm_pb2.TokenLogprob(token_id=t, logprob=v) for t, v in lp.top],
         )
-    return llm_pb2.GenerateResponse(chunk=chunk)
+    return resp
 
 
 def _complete(request_id: str, out: RequestOutput, completion_tokens: int) -> llm_pb2.GenerateResponse:
