@@ -37,14 +37,22 @@ from service.engine.runners.base import ForwardBatch
 logger = logging.getLogger(__name__)
 
 
+# A sequence with at most this many new tokens in a step (a decode, a speculative verify step of up to 16 drafts, a
+# short prefill chunk) has each row's attention computed by the paged decode kernel as a query of its own: the same
+# per-query routine as the prefill kernel (bitwise the same result, csrc/decode_attention.c), which at long
+# contexts reads the keys faster than the prefill kernel does for a few rows.
+SMALL_CHUNK_ROWS = 17
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionPlan:
     """How one step's attention is split, worked out once per step and reused by every layer."""
 
-    decode_seqs: list[int]  # sequences with a single new token: the paged decode kernel (C, else numba)
-    decode_tokens: np.ndarray  # [Bd] their token rows in the flat batch
-    decode_inputs: tuple | None  # DecodeAttention.prepare() of their block tables
-    other_seqs: list[int]  # prefill chunks: causal attention over gathered blocks (C, else numpy)
+    decode_seqs: list[int]  # sequences of at most SMALL_CHUNK_ROWS new tokens: the paged decode kernel (C, else
+    # numba), one query per token row (a decode, a verify step's rows, a short chunk)
+    decode_tokens: np.ndarray  # [Bd] their token rows in the flat batch (every row of those sequences, in order)
+    decode_inputs: tuple | None  # DecodeAttention.prepare() of a block table and visible keys per row
+    other_seqs: list[int]  # longer prefill chunks: causal attention over the blocks (C, else numpy)
 
 
 Matrix = np.ndarray | PackedMatrix  # fp32 [out, in], or quantized blocks (build_engine/packing.py)
@@ -178,18 +186,23 @@ class NumpyRunner:
 
     def _plan(self, batch: ForwardBatch) -> AttentionPlan:
         lens = np.diff(batch.query_start_loc)  # [B] new tokens per sequence
-        decode = [b for b in range(batch.num_seqs) if lens[b] == 1] if self.decode_attention else []
-        inputs = None
-        if decode:
-            inputs = self.decode_attention.prepare([batch.block_tables[b] for b in decode], batch.seq_lens[decode])
-        others = [b for b in range(batch.num_seqs) if not decode or lens[b] != 1]
-        return AttentionPlan(decode, batch.query_start_loc[decode], inputs, others)
+        small = [b for b in range(batch.num_seqs) if lens[b] <= SMALL_CHUNK_ROWS] if self.decode_attention else []
+        rows, tables, visible = [], [], []  # one decode query per token row: row i of n sees L - n + 1 + i keys
+        for b in small:
+            n, first, end = int(lens[b]), int(batch.query_start_loc[b]), int(batch.seq_lens[b])
+            rows += range(first, first + n)
+            tables += [batch.block_tables[b]] * n
+            visible += range(end - n + 1, end + 1)
+        inputs = self.decode_attention.prepare(tables, np.asarray(visible, dtype=np.int64)) if small else None
+        chosen = set(small)
+        others = [b for b in range(batch.num_seqs) if b not in chosen]
+        return AttentionPlan(small, np.asarray(rows, dtype=np.int64), inputs, others)
 
     def _attention(self, layer: int, q: np.ndarray, batch: ForwardBatch, plan: AttentionPlan) -> np.ndarray:
         # q: [T, H, hd] -> [T, H * hd]
         kv = self.kv_cache.layer(layer)  # k, v: [num_blocks, block_size, KV, hd]
         threads = self.threads.attention_threads
-        if not plan.other_seqs:  # a pure decode step: every token is its sequence's one query, in order
+        if not plan.other_seqs:  # every row is a decode query, in order (decodes, verify steps, short chunks)
             out = self.decode_attention(q, kv, plan.decode_inputs, threads)
             return out.reshape(batch.num_tokens, -1)
         out = np.empty((batch.num_tokens, self.n_heads * self.head_dim), dtype=np.float32)
