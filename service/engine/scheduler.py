@@ -92,6 +92,8 @@ class Scheduler:
         for req in decodes:
             if budget <= 0:
                 break
+            if req.status != RequestStatus.RUNNING:  # preempted for an earlier decode of this loop
+                continue
             drafts = spec.drafts(req, self._draft_room(req, budget - 1)) if spec else []
             budget = self._schedule_running(req, 1 + len(drafts), budget, out, drafts)
         # 2. then prefill (or recompute) chunks, each capped while decodes run: the step stays short
