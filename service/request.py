@@ -6,7 +6,7 @@ import enum
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from service.errors import InvalidRequest
@@ -191,6 +191,8 @@ class RequestTiming:
     e2e_ms: float  # arrival -> finish
     itl_ms: tuple[float, ...] = ()  # gaps between consecutive tokens
     source: str = "engine"  # engine: the engine's own timestamps; edge: measured by the backend around it
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified for this request
+    spec_accepted_tokens: int = 0  # of which accepted (docs/timing.md: several tokens per step)
 
     @classmethod
     def from_times(
@@ -331,7 +333,12 @@ class Request:
     def timing(self) -> RequestTiming:
         times = self.token_times
         end = self.finish_time if self.finish_time is not None else (times[-1] if times else 0.0)
-        return RequestTiming.from_times(self.arrival_time, self.first_scheduled_time, times, end)
+        timing = RequestTiming.from_times(self.arrival_time, self.first_scheduled_time, times, end)
+        if self.spec:  # a SpecState (spec_decode.py): its counters
+            timing = replace(
+                timing, spec_draft_tokens=self.spec.draft_tokens, spec_accepted_tokens=self.spec.accepted_tokens
+            )
+        return timing
 
 
 @dataclass(frozen=True, slots=True)

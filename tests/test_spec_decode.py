@@ -146,7 +146,9 @@ def _chi2_sf(x: float, df: int) -> float:
     h = x / 2
     if df % 2 == 0:
         return math.exp(-h) * sum(h**i / math.factorial(i) for i in range(df // 2))
-    return math.erfc(math.sqrt(h)) + math.exp(-h) * sum(h ** (i - 0.5) / math.gamma(i + 0.5) for i in range(1, (df + 1) // 2))
+    return math.erfc(math.sqrt(h)) + math.exp(-h) * sum(
+        h ** (i - 0.5) / math.gamma(i + 0.5) for i in range(1, (df + 1) // 2)
+    )
 
 
 def _processed(row: np.ndarray, temperature: float, top_k: int) -> np.ndarray:

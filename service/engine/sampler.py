@@ -189,7 +189,9 @@ class Sampler:
                     edited = row.copy()
                     self._edit(edited, state)
                 if i == len(drafts):  # every draft accepted: the bonus token, drawn as in a plain step
-                    token = int(np.argmax(edited)) if p.greedy else sample_row(edited, state, _uniform(state, self._rng))
+                    token = (
+                        int(np.argmax(edited)) if p.greedy else sample_row(edited, state, _uniform(state, self._rng))
+                    )
                 elif p.greedy:
                     token = int(np.argmax(edited))
                 else:

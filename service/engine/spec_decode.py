@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from service.config import SpecConfig
 from service.request import Request
 
 # Relative cost of a verify step by rows (1 + drafts) before the engine has measured its own; a prior only.
@@ -38,34 +39,6 @@ PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 4.0
 ACCEPTANCE_WINDOW = 32.0
 # Steps without drafts over which a request's acceptance estimate drifts back toward the prior (1/e).
 RETRY_STEPS = 64.0
-
-
-@dataclass(frozen=True, slots=True)
-class SpecConfig:
-    """The server's speculative decoding settings (vLLM's names; service/config.py holds the defaults)."""
-
-    method: str = "off"  # "off" or "ngram"
-    num_speculative_tokens: int = 8  # drafts per step at most (a request may ask for fewer, or 0)
-    prompt_lookup_min: int = 2  # shortest n-gram that proposes drafts
-    prompt_lookup_max: int = 4  # longest n-gram tried first
-    disable_by_batch_size: int = 4  # no drafts in a step with more running decodes than this
-
-    def __post_init__(self) -> None:
-        if self.method not in ("off", "ngram"):
-            raise ValueError(f"speculative method must be off or ngram, got {self.method!r}")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
-            raise ValueError(
-                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= 16, "
-                f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}"
-            )
-        if self.disable_by_batch_size < 1:
-            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.method != "off"
 
 
 class NgramDrafter:
