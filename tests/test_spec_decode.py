@@ -253,3 +253,37 @@ def test_a_request_can_turn_speculation_off(engine_dir: Path) -> None:
     assert _run(spec, [off])["_counts"] == (0, 0)
     on = GenerateRequest("n", prompt, SamplingParams(max_tokens=20, temperature=0, num_speculative_tokens=2))
     assert _run(spec, [on])["_counts"][0] > 0
+
+
+# ---- through the service -------------------------------------------------------------------------------------
+def test_llm_v1_speculation_field_timing_metrics_and_model_info(engine_dir: Path) -> None:
+    import grpc
+
+    from protos.llm.v1 import llm_pb2
+    from tests.servers import generate, running_server
+
+    spec = {"backend.native.speculative": SPEC}
+    with running_server(engine_dir, **spec) as server:
+        stub = server.stub()
+        info = stub.GetModelInfo(llm_pb2.GetModelInfoRequest())
+        assert (info.speculative_method, info.num_speculative_tokens) == ("ngram", SPEC.num_speculative_tokens)
+        req = llm_pb2.GenerateRequest(
+            prompt_token_ids=llm_pb2.TokenIds(ids=[5, 6, 7, 8] * 10),
+            sampling=llm_pb2.SamplingParams(temperature=0, num_speculative_tokens=4),
+            stopping=llm_pb2.StoppingParams(max_tokens=32, ignore_eos=True),
+        )
+        chunks, complete = generate(stub, req)
+        assert complete.usage.completion_tokens == 32 == sum(len(c.token_ids) for c in chunks)
+        t = complete.timing
+        assert t.spec_draft_tokens > 0 and 0 <= t.spec_accepted_tokens <= t.spec_draft_tokens
+        assert server.metric("llm_spec_decode_num_draft_tokens_total") >= t.spec_draft_tokens
+        assert server.metric("llm_spec_decode_num_accepted_tokens_total") == t.spec_accepted_tokens
+        if t.spec_accepted_tokens:
+            assert server.metric("llm_spec_decode_num_accepted_tokens_per_pos_total", 'position="0"') >= 1
+        bad = llm_pb2.GenerateRequest(
+            prompt_token_ids=llm_pb2.TokenIds(ids=[5, 6]), sampling=llm_pb2.SamplingParams(num_speculative_tokens=99)
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stub, bad)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling.num_speculative_tokens" in err.value.details()
