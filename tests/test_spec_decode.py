@@ -256,6 +256,7 @@ def test_a_request_can_turn_speculation_off(engine_dir: Path) -> None:
 
 
 # ---- through the service -------------------------------------------------------------------------------------
+@pytest.mark.server
 def test_llm_v1_speculation_field_timing_metrics_and_model_info(engine_dir: Path) -> None:
     import grpc
 

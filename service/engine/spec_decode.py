@@ -23,10 +23,9 @@ purpose): the same output run to run with speculation on (not the same as withou
 from __future__ import annotations
 
 import contextlib
+import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from service.config import SpecConfig
 from service.request import Request
@@ -119,7 +118,7 @@ class VerifyCost:
         base = self._ms[1]
         own = self._ms[rows] if rows < len(self._ms) else []
         if len(base) >= 3 and len(own) >= 3:
-            return float(np.median(own) / np.median(base))
+            return statistics.median(own) / statistics.median(base)
         return PRIOR_COST[min(rows - 1, len(PRIOR_COST) - 1)]
 
 
