@@ -122,7 +122,7 @@ def main() -> None:
 
     lines = [
         f"`python -m benchmarks.spec_bench --engine {args.engine} --rounds {args.rounds} --output-len "
-        f"{args.output_len} --write`; {machine_line()}; kernels {BACKEND.name}; other load during the run "
+        f"{args.output_len} --streams {args.streams}{' --write' if args.write else ''}`; {machine_line()}; kernels {BACKEND.name}; other load during the run "
         f"{use.others:.2f} cores. One stream, greedy, {args.output_len} tokens each (ignore_eos), "
         f"--num-speculative-tokens {args.num_speculative_tokens} (k chosen per step), medians of {args.rounds} "
         f"interleaved rounds. Plain-decode roofline in this run: {roofline:.0f} tok/s (read bandwidth "

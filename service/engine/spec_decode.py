@@ -32,10 +32,11 @@ from service.request import Request
 
 # Relative cost of a verify step by rows (1 + drafts) before the engine has measured its own; a prior only.
 PRIOR_COST = (1.0, 1.0, 1.25, 1.3, 1.35, 1.45, 1.55, 1.65, 1.75, 1.9, 2.0, 2.1, 2.2, 2.3, 2.4, 2.5, 2.6)
-# A request's acceptance rate before it has drafted (a prior, weighted as this many draft tokens).
-PRIOR_ACCEPTANCE, PRIOR_WEIGHT = 0.5, 4.0
-# Draft tokens the acceptance estimate remembers (an exponential window).
-ACCEPTANCE_WINDOW = 32.0
+# A request's acceptance rate before it has drafted (a prior).
+PRIOR_ACCEPTANCE = 0.5
+# Draft positions tried (accepted, or the one rejected) the acceptance estimate remembers (an exponential window):
+# short, so a request whose drafts stop matching stops paying for verify rows within a few steps.
+ACCEPTANCE_WINDOW = 8.0
 # Steps without drafts over which a request's acceptance estimate drifts back toward the prior (1/e).
 RETRY_STEPS = 64.0
 
