@@ -259,6 +259,8 @@ def test_a_request_can_turn_speculation_off(engine_dir: Path) -> None:
 @pytest.mark.server
 def test_llm_v1_speculation_field_timing_metrics_and_model_info(engine_dir: Path) -> None:
     import grpc
+    from smg_grpc_proto import trtllm_service_pb2 as pb
+    from smg_grpc_proto import trtllm_service_pb2_grpc as pb_grpc
 
     from protos.llm.v1 import llm_pb2
     from tests.servers import generate, running_server
@@ -288,3 +290,37 @@ def test_llm_v1_speculation_field_timing_metrics_and_model_info(engine_dir: Path
             generate(stub, bad)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "sampling.num_speculative_tokens" in err.value.details()
+        # the TensorRT-LLM worker protocol (gateways) reports the same counts
+        worker = pb_grpc.TrtllmServiceStub(server.channel())
+        wreq = pb.GenerateRequest(request_id="w1", tokenized=pb.TokenizedInput(input_token_ids=[5, 6, 7, 8] * 10),
+                                  max_tokens=32, streaming=False, ignore_eos=True)  # fmt: skip
+        wreq.sampling_config.temperature = 0
+        done = next(r.complete for r in worker.Generate(wreq) if r.HasField("complete"))
+        assert done.spec_draft_tokens > 0 and done.spec_accepted_tokens <= done.spec_draft_tokens
+
+
+@pytest.mark.server
+def test_triton_door_reports_the_drafts_and_refuses_external_ones(engine_dir: Path) -> None:
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+
+    from tests.servers import running_server
+    from tests.triton_clients import inputs
+
+    prompt = [5, 6, 7, 8] * 10
+    with running_server(
+        engine_dir, triton_port=0, triton_decoupled=False, **{"backend.native.speculative": SPEC}
+    ) as server:
+        client = tg.InferenceServerClient(f"127.0.0.1:{server.server.triton_port}")
+        try:
+            base = dict(input_ids=prompt, input_lengths=len(prompt), request_output_len=32, end_id=-1,
+                        runtime_top_k=1, return_perf_metrics=True)  # fmt: skip
+            res = client.infer("tensorrt_llm", inputs("tensorrt_llm", **base))
+            drafted = int(res.as_numpy("total_draft_tokens")[0][0])
+            accepted = int(res.as_numpy("total_accepted_draft_tokens")[0][0])
+            assert drafted > 0 and 0 <= accepted <= drafted
+            assert res.as_numpy("acceptance_rate")[0][0] == pytest.approx(accepted / drafted)
+            with pytest.raises(InferenceServerException, match="draft_input_ids"):
+                client.infer("tensorrt_llm", inputs("tensorrt_llm", **base, draft_input_ids=[5, 6]))
+        finally:
+            client.close()
