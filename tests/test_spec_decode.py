@@ -324,3 +324,13 @@ def test_triton_door_reports_the_drafts_and_refuses_external_ones(engine_dir: Pa
                 client.infer("tensorrt_llm", inputs("tensorrt_llm", **base, draft_input_ids=[5, 6]))
         finally:
             client.close()
+
+
+def test_speculation_on_another_backend_is_refused_at_startup(engine_dir: Path) -> None:
+    from service.backends import preflight
+    from service.config import BackendConfig, NativeConfig
+    from service.errors import BackendLoadError
+
+    cfg = BackendConfig(engine_dir=str(engine_dir), backend="triton", native=NativeConfig(speculative=SPEC))
+    with pytest.raises(BackendLoadError, match="native backend only"):
+        preflight(cfg)
