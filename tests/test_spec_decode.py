@@ -334,3 +334,13 @@ def test_speculation_on_another_backend_is_refused_at_startup(engine_dir: Path) 
     cfg = BackendConfig(engine_dir=str(engine_dir), backend="triton", native=NativeConfig(speculative=SPEC))
     with pytest.raises(BackendLoadError, match="native backend only"):
         preflight(cfg)
+
+
+def test_the_load_tester_reports_acceptance() -> None:
+    from clients.loadtest.metrics import SLO, RequestRecord, summarize
+
+    recs = [RequestRecord(input_tokens=4, chunk_times=[1.0, 1.1], chunk_tokens=[1, 3], ok=True,
+                          spec_draft_tokens=d, spec_accepted_tokens=a) for d, a in ((10, 6), (6, 0))]  # fmt: skip
+    summary = summarize(recs, 1.0, SLO())
+    assert summary["spec_draft_tokens"] == 16 and summary["spec_acceptance"] == pytest.approx(6 / 16)
+    assert summarize([RequestRecord(input_tokens=4, ok=True)], 1.0, SLO())["spec_acceptance"] is None
