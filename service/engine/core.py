@@ -172,7 +172,7 @@ class EngineCore:
             return []
         reqs = [self.scheduler.requests[s.req_id] for s in sched.scheduled if s.sample]
         plain = [r for s, r in zip((s for s in sched.scheduled if s.sample), reqs, strict=True) if not s.num_drafts]
-        # masks by row of the plain (non-verify) requests: constrained requests never carry drafts
+        # masks by row of the plain (non-verify) requests; a constrained verify step's come after the forward
         constrained = [(i, r.grammar) for i, r in enumerate(plain) if r.grammar is not None]
         pending = self.masks.start(constrained) if constrained else None  # filled while the forward pass runs
         forward_start = time.perf_counter()
@@ -184,7 +184,8 @@ class EngineCore:
             masks = pending.result()
             mask_ms, mask_wait_ms = masks.fill_ms, (time.perf_counter() - wait_start) * 1e3
         tokens, logprobs = self._sample(sched, reqs, logits, masks)
-        refused = self._advance_grammars(reqs, [tokens[r.request_id][0] for r in reqs]) if constrained else {}
+        grammars = constrained or any(r.grammar is not None for r in reqs)
+        refused = self._advance_grammars(reqs, [tokens[r.request_id] for r in reqs]) if grammars else {}
         outputs = []
         for req, num_new in self.scheduler.update_from_output(sched, tokens):  # every stop decided there
             logprob = logprobs[req.request_id]
@@ -238,14 +239,16 @@ class EngineCore:
         for seq, req in zip(seqs, reqs, strict=True):
             n = 1 + seq.num_drafts if seq.num_drafts else 1
             if seq.num_drafts:
-                out, lps = self.sampler.verify(logits[at : at + n], req, seq.token_ids[-seq.num_drafts :])
+                drafts = seq.token_ids[-seq.num_drafts :]
+                allowed = self.masks.along(req.grammar, drafts) if req.grammar is not None else None
+                out, lps = self.sampler.verify(logits[at : at + n], req, drafts, allowed)
                 tokens[req.request_id] = out
                 logprobs[req.request_id] = None if req.sampling.logprobs is None else lps
             else:
                 plain.append(req)
                 rows.append(at)
             at += n
-        if plain:  # masks are by row of this plain batch (step())
+        if plain:  # masks are by row of this plain batch (step()); a verify step's: MaskFiller.along
             sampled = self.sampler.sample(logits[rows], plain, masks)
             for r, t, lp in zip(plain, sampled.token_ids, sampled.logprobs, strict=True):
                 tokens[r.request_id] = [t]
@@ -253,14 +256,15 @@ class EngineCore:
         return tokens, logprobs
 
     @staticmethod
-    def _advance_grammars(reqs: list[Request], token_ids: list[int]) -> dict[str, str]:
-        """Advance each constrained request's matcher past its new token; the ids it refused (never, as the mask
-        is applied; a bug otherwise: that request fails alone) -> why."""
+    def _advance_grammars(reqs: list[Request], token_ids: list[list[int]]) -> dict[str, str]:
+        """Advance each constrained request's matcher past its new tokens (a verify step's: the accepted drafts
+        and one more); the ids it refused (never, as the masks are applied; a bug otherwise: that request fails
+        alone) -> why."""
         refused = {}
-        for req, token in zip(reqs, token_ids, strict=True):
+        for req, tokens in zip(reqs, token_ids, strict=True):
             if req.grammar is not None:
                 try:
-                    req.grammar.consume([token])
+                    req.grammar.consume(tokens)
                 except GrammarError as exc:
                     logger.error("request %s: %s", req.request_id, exc)
                     refused[req.request_id] = "the output left its constraint's grammar"

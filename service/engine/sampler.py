@@ -176,18 +176,23 @@ class Sampler:
             logprobs.append(None if n is None else token_logprob(logits[i], token, n))
         return SamplerOutput(tokens, logprobs)
 
-    def verify(self, rows: np.ndarray, req: Request, drafts: list[int]) -> tuple[list[int], list[TokenLogprob | None]]:
+    def verify(
+        self, rows: np.ndarray, req: Request, drafts: list[int], allowed: list[np.ndarray] | None = None
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
         """Speculative decoding's verification of one request: rows [k + 1, V] the logits at the positions of the
-        last accepted token and of the k drafts. Returns the tokens that come out (the accepted drafts, then the
-        correction or bonus token: 1 to k + 1) and their logprobs (service/engine/spec_decode.py)."""
+        last accepted token and of the k drafts; allowed: a constrained request's mask at each position (bool
+        [V], k + 1 of them). Returns the tokens that come out (the accepted drafts, then the correction or bonus
+        token: 1 to k + 1) and their logprobs (service/engine/spec_decode.py)."""
         tokens: list[int] = []
         p = req.sampling
         for i, row in enumerate(rows):
             with tentative(req, tokens) as state:
                 edited = row
-                if self._needs_edit(state):
+                if allowed is not None or self._needs_edit(state):
                     edited = row.copy()
-                    self._edit(edited, state)
+                    if allowed is not None:
+                        edited[~allowed[i]] = -np.inf
+                    self._edit(edited, state, allowed is not None)
                 if i == len(drafts):  # every draft accepted: the bonus token, drawn as in a plain step
                     token = (
                         int(np.argmax(edited)) if p.greedy else sample_row(edited, state, _uniform(state, self._rng))

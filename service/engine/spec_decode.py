@@ -158,11 +158,11 @@ class Speculator:
 
     def state(self, req: Request) -> SpecState | None:
         """The request's speculation state, made on first use; None where it does not speculate (asked for 0
-        drafts, or constrained: the grammar matcher does not roll back rejected drafts yet)."""
+        drafts)."""
         if req.spec is None:
             asked = req.sampling.num_speculative_tokens
             max_k = self.cfg.num_speculative_tokens if asked is None else min(asked, self.cfg.num_speculative_tokens)
-            if max_k == 0 or req.grammar is not None:
+            if max_k == 0:
                 req.spec = False
                 return None
             req.spec = SpecState(NgramDrafter(self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max), max_k)
@@ -177,4 +177,7 @@ class Speculator:
         if not k:  # drift back toward the prior, so a request that stopped drafting tries again now and then
             state.acceptance += (PRIOR_ACCEPTANCE - state.acceptance) / RETRY_STEPS
             return []
-        return state.drafter.propose(req.all_token_ids, k)
+        drafts = state.drafter.propose(req.all_token_ids, k)
+        if drafts and req.grammar is not None:  # only what the grammar allows: the longest valid prefix
+            drafts = drafts[: req.grammar.matcher.validate_tokens(drafts)]
+        return drafts
