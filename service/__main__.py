@@ -108,6 +108,29 @@ FLAGS = (
         int,
         none_below_zero=True,
     ),
+    Flag(
+        "--speculative-method",
+        "backend.native.speculative.method",
+        "native: speculative decoding; ngram: drafts looked up in the request's own tokens (prompt lookup), "
+        "verified in one multi-token step: greedy output unchanged (docs/speculative.md)",
+        choices=("off", "ngram"),
+    ),
+    Flag(
+        "--num-speculative-tokens",
+        "backend.native.speculative.num_speculative_tokens",
+        "native: draft tokens per step at most (each request's recent acceptance and the measured verify cost "
+        "choose fewer; a request may ask for fewer or 0)",
+        int,
+    ),
+    Flag("--prompt-lookup-min", "backend.native.speculative.prompt_lookup_min", "native: shortest n-gram", int),
+    Flag("--prompt-lookup-max", "backend.native.speculative.prompt_lookup_max", "native: longest n-gram", int),
+    Flag(
+        "--speculative-disable-by-batch-size",
+        "backend.native.speculative.disable_by_batch_size",
+        "native: no drafts in a step with more decoding requests than this (there, verify rows cost more than "
+        "they return)",
+        int,
+    ),
     Flag("--max-num-seqs", "backend.max_num_seqs", "sequences per step (None: the engine's max_batch_size)", int),
     Flag("--max-num-tokens", "backend.max_num_tokens", "tokens per step (None: the engine's max_num_tokens)", int),
     Flag(

@@ -39,6 +39,34 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """Speculative decoding on the native engine (vLLM's names; docs/speculative.md, service/engine/spec_decode.py)."""
+
+    method: str = "off"  # "off" or "ngram"
+    num_speculative_tokens: int = 8  # drafts per step at most (a request may ask for fewer, or 0)
+    prompt_lookup_min: int = 2  # shortest n-gram that proposes drafts
+    prompt_lookup_max: int = 4  # longest n-gram tried first
+    disable_by_batch_size: int = 4  # no drafts in a step with more running decodes than this
+
+    def __post_init__(self) -> None:
+        if self.method not in ("off", "ngram"):
+            raise ValueError(f"speculative method must be off or ngram, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
+            raise ValueError(
+                "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= 16, "
+                f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
+        if self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
+@dataclass(frozen=True, slots=True)
 class NativeConfig:
     kv_cache_memory: str = "auto"  # auto (from the engine's limits, capped), bytes (512MiB) or a fraction
     # while decodes run, a prefill chunk costs at most this many tokens' work; None: a quarter of
@@ -47,6 +75,7 @@ class NativeConfig:
     # the KV cache's stored type; float32 is exact (golden tests), the others halve or quarter the KV bytes a
     # decode step reads (int8: a float32 scale per token and KV head beside it)
     kv_cache_dtype: str = "float32"
+    speculative: SpecConfig = SpecConfig()  # off unless asked for
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -6,7 +6,7 @@ import enum
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from service.errors import InvalidRequest
@@ -19,6 +19,7 @@ MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 MAX_CONSTRAINT_CHARS = 1 << 18  # a schema's or grammar's text (compiling it is bounded by this too)
 MAX_CHOICES = 256
+MAX_SPECULATIVE_TOKENS = 16  # drafts per verify step (SpecConfig.num_speculative_tokens caps it further)
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf", "choice", "structural_tag")
 # a kind as llm.v1's Constraint message names its field (messages about a constraint name that field)
 CONSTRAINT_FIELDS = {k: {"lark": "lark_grammar", "gbnf": "gbnf_grammar"}.get(k, k) for k in CONSTRAINT_KINDS}
@@ -110,6 +111,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the chosen token's; N <= 20: plus the top N
     skip_special_tokens: bool = True  # leave special tokens out of the text
     constraint: Constraint | None = None  # structured output; None: free text
+    # speculative drafts per step at most (docs/speculative.md): None: the server's setting; 0: none for this
+    # request; k: at most k (and at most the server's num_speculative_tokens) where the server speculates
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -151,6 +155,10 @@ class SamplingParams:
             f"stop_token_ids allows at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}",
         )
         _check(
+            self.num_speculative_tokens is None or 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+            f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}",
+        )
+        _check(
             not (self.ignore_eos and self.constraint is not None),
             "ignore_eos cannot be combined with a constraint: the grammar decides where the output ends",
         )
@@ -183,6 +191,8 @@ class RequestTiming:
     e2e_ms: float  # arrival -> finish
     itl_ms: tuple[float, ...] = ()  # gaps between consecutive tokens
     source: str = "engine"  # engine: the engine's own timestamps; edge: measured by the backend around it
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified for this request
+    spec_accepted_tokens: int = 0  # of which accepted (docs/timing.md: several tokens per step)
 
     @classmethod
     def from_times(
@@ -263,6 +273,7 @@ class Request:
         "prompt_token_ids",
         "request_id",
         "sampling",
+        "spec",
         "status",
         "stop_reason",
         "text",
@@ -300,6 +311,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.text: TextStream | None = None  # the request's text and stop strings (set by the output processor)
         self.grammar: object | None = None  # the constrained request's matcher (service/engine/grammar.py)
+        self.spec: object | None = None  # a speculating request's drafter and counters (spec_decode.SpecState)
 
     @property
     def num_tokens(self) -> int:
@@ -321,7 +333,12 @@ class Request:
     def timing(self) -> RequestTiming:
         times = self.token_times
         end = self.finish_time if self.finish_time is not None else (times[-1] if times else 0.0)
-        return RequestTiming.from_times(self.arrival_time, self.first_scheduled_time, times, end)
+        timing = RequestTiming.from_times(self.arrival_time, self.first_scheduled_time, times, end)
+        if self.spec:  # a SpecState (spec_decode.py): its counters
+            timing = replace(
+                timing, spec_draft_tokens=self.spec.draft_tokens, spec_accepted_tokens=self.spec.accepted_tokens
+            )
+        return timing
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,12 @@ class StepStats:
     num_preempted: int  # preemptions during this step's scheduling
     mask_ms: float = 0.0  # time to fill the constrained rows' grammar masks (in a worker thread, beside the forward)
     mask_wait_ms: float = 0.0  # of which the step waited for after its forward pass (0 without constraints)
+    # speculative decoding (vLLM's spec_decode counters): verify steps' sequences with drafts, their draft tokens,
+    # the drafts accepted, and accepted drafts by position (index 0: first draft)
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def gflops_per_s(self) -> float:

@@ -72,7 +72,8 @@ def _f(name: str, **kw) -> Tensor:
 PERF_OUTPUTS = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
 COUNT_OUTPUTS = ("num_input_tokens", "num_output_tokens")
 KV_CACHE_OUTPUTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks")
-DRAFT_OUTPUTS = ("total_accepted_draft_tokens", "total_draft_tokens")  # with acceptance_rate: no drafts yet, 0
+# with acceptance_rate: speculative decoding's counts (the native engine's n-gram drafts; 0 where none were made)
+DRAFT_OUTPUTS = ("total_accepted_draft_tokens", "total_draft_tokens")
 # what return_perf_metrics adds to the final response (TensorRT-LLM's RequestPerfMetrics: timing, KV cache,
 # speculative decoding)
 PERF_METRICS_OUTPUTS = (*PERF_OUTPUTS, *KV_CACHE_OUTPUTS, "acceptance_rate", *DRAFT_OUTPUTS)
@@ -281,7 +282,7 @@ MODEL_VERSION = "1"
 # Tensors of the 1.2-era models (TensorRT-LLM triton_backend/all_models/inflight_batcher_llm/*/config.pbtxt) the
 # front door refuses, by model kind, with the reason its INVALID_ARGUMENT gives. (Tensors in the tables above
 # with served=False are refused with their note.)
-_SPECULATIVE = "speculative decoding inputs are not supported yet"
+_SPECULATIVE = "external draft tokens and lookahead are not supported: the native engine drafts from the request's own tokens (--speculative-method ngram)"
 _LORA = "LoRA adapters are not supported"
 _PROMPT_TABLE = "prompt tuning / multimodal embeddings are not supported"
 _ENCODER = "this is a decoder-only model (no encoder)"

@@ -73,6 +73,8 @@ class LLMBackend:
                     c = resp.complete
                     rec.server_ttft_ms = c.timing.ttft_ms
                     rec.server_tpot_ms = c.timing.tpot_ms if c.usage.completion_tokens > 1 else None
+                    rec.spec_draft_tokens = c.timing.spec_draft_tokens
+                    rec.spec_accepted_tokens = c.timing.spec_accepted_tokens
                     rec.input_tokens = c.usage.prompt_tokens
                     rec.ok = True
         except grpc.aio.AioRpcError as err:

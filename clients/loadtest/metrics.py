@@ -35,6 +35,8 @@ class RequestRecord:
     error: str | None = None  # gRPC status name and message, when the request failed
     server_ttft_ms: float | None = None
     server_tpot_ms: float | None = None
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens the server verified for it (llm.v1 Timing)
+    spec_accepted_tokens: int = 0
 
     @property
     def output_tokens(self) -> int:
@@ -127,5 +129,12 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict
         "server_ttft_ms": stats(server_ttft),
         "server_tpot_ms": stats([r.server_tpot_ms for r in done if r.server_tpot_ms is not None]),
         "ttft_gap_ms": stats(gaps),  # client TTFT - server TTFT: transport, serialization, client scheduling
+        # speculative decoding (llm.v1 only; 0 where the server does not speculate): accepted / draft tokens
+        "spec_draft_tokens": sum(r.spec_draft_tokens for r in done),
+        "spec_acceptance": (
+            sum(r.spec_accepted_tokens for r in done) / drafted
+            if (drafted := sum(r.spec_draft_tokens for r in done))
+            else None
+        ),
         "errors": sorted({r.error for r in failed if r.error})[:10],
     }

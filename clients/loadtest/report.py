@@ -22,6 +22,8 @@ SCALAR_FIELDS = (
     "output_throughput_tok_s",
     "total_throughput_tok_s",
     "goodput_rps",
+    "spec_draft_tokens",
+    "spec_acceptance",
 )
 
 
@@ -36,7 +38,7 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 def print_table(runs: list[dict], console: Console | None = None) -> None:
     table = Table(title="Load test (client-side latencies in ms; server TTFT from the final message)")
     for col in ("load", "ok/fail", "req/s", "out tok/s", "goodput", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-                "ITL p50", "E2E p50", "srv TTFT p50", "gap p50"):  # fmt: skip
+                "ITL p50", "E2E p50", "srv TTFT p50", "gap p50", "spec accept"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in runs:
         table.add_row(
@@ -53,6 +55,7 @@ def print_table(runs: list[dict], console: Console | None = None) -> None:
             _fmt(r["e2e_ms"]["p50"]),
             _fmt(r["server_ttft_ms"]["p50"]),
             _fmt(r["ttft_gap_ms"]["p50"], 2),
+            _fmt(r.get("spec_acceptance"), 2),  # accepted / draft tokens; - where the server did not speculate
         )
     (console or Console(stderr=True)).print(table)
 

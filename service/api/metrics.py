@@ -76,6 +76,22 @@ class ServiceMetrics:
         )
         self.generation_tokens = Counter("llm_generation_tokens", "Generated tokens.", registry=r)
         self.preemptions = Counter("llm_num_preemptions", "Requests preempted (recomputed later).", registry=r)
+        # speculative decoding, vLLM's counter names (spec_decode_*) under our prefix
+        self.spec_drafts = Counter(
+            "llm_spec_decode_num_drafts", "Verify steps' sequences that carried draft tokens.", registry=r
+        )
+        self.spec_draft_tokens = Counter("llm_spec_decode_num_draft_tokens", "Draft tokens verified.", registry=r)
+        self.spec_accepted = Counter(
+            "llm_spec_decode_num_accepted_tokens",
+            "Draft tokens accepted (equal to the model's own choice).",
+            registry=r,
+        )
+        self.spec_accepted_per_pos = Counter(
+            "llm_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0: the first draft).",
+            ["position"],
+            registry=r,
+        )
         self.requests = Counter(
             "llm_requests",
             "Finished generation requests by final gRPC status code (llm.v1 Generate RPCs and the Triton "
@@ -121,6 +137,12 @@ class ServiceMetrics:
         self.on_gauges(BackendStats(stats.num_running, stats.num_waiting, stats.kv_blocks_used, 0))
         if stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
+        if stats.num_spec_drafts:
+            self.spec_drafts.inc(stats.num_spec_drafts)
+            self.spec_draft_tokens.inc(stats.num_spec_draft_tokens)
+            self.spec_accepted.inc(stats.num_spec_accepted_tokens)
+            for pos, n in enumerate(stats.spec_accepted_per_pos):
+                self.spec_accepted_per_pos.labels(str(pos)).inc(n)
         if stats.num_prefill_tokens and stats.num_decode_tokens:
             phase = "mixed"
         else:

@@ -27,6 +27,13 @@ def preflight(cfg: BackendConfig) -> None:
 
 
 def _check_dependencies(cfg: BackendConfig, name: str) -> None:
+    if name != "native" and cfg.native.speculative.enabled:
+        from service.errors import BackendLoadError
+
+        raise BackendLoadError(
+            f"--speculative-method {cfg.native.speculative.method} runs on the native backend only; the {name} "
+            "backend does not speculate (docs/gpu.md)"
+        )
     if name == "trtllm":
         from service.backends.trtllm import import_executor
 

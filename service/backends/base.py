@@ -49,6 +49,8 @@ class BackendInfo:
     not_reported: tuple[str, ...] = ()  # what this backend cannot report (GetModelInfo says so)
     constraint_kinds: tuple[str, ...] = ()  # the Constraint kinds it compiles (service/request.py's names)
     kv_cache_dtype: str = ""  # the KV cache's stored type (native: --kv-cache-dtype); "": not known to us
+    speculative_method: str = ""  # "ngram" or "off" (native); "": does not speculate
+    num_speculative_tokens: int = 0  # drafts per step at most, where it speculates
 
     @classmethod
     def of_engine(cls, config: spec.EngineConfig, backend: str, **limits: object) -> BackendInfo:

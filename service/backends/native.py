@@ -62,6 +62,7 @@ class NativeBackend(BackendRuntime):
             max_num_batched_tokens=cfg.max_num_tokens,
             long_prefill_token_threshold=cfg.native.long_prefill_token_threshold,
             kv_events=cfg.kv_event_history > 0,
+            speculative=cfg.native.speculative,
         )
         return cls(core, cfg.admission, cfg.kv_event_history)
 
@@ -243,4 +244,6 @@ def _info(core: EngineCore, max_queue: int) -> BackendInfo:
         max_queue=max_queue,
         constraint_kinds=SUPPORTED_KINDS,
         kv_cache_dtype=core.runner.kv_cache.fmt.name,
+        speculative_method=core.speculator.cfg.method if core.speculator else "off",
+        num_speculative_tokens=core.speculator.cfg.num_speculative_tokens if core.speculator else 0,
     )

@@ -23,6 +23,7 @@ from service.engine.runners.numpy_runner import NumpyRunner
 from service.engine.sampler import Sampler
 from service.engine.scheduler import Scheduler
 from service.engine.scheduler_config import SchedulerConfig, kv_blocks_for_budget
+from service.engine.spec_decode import SpecConfig, Speculator
 from service.engine.stats import StepCost
 from service.kv_events import AllBlocksCleared, KvEvent
 from service.limits import RequestLimits, check_constraint, check_request
@@ -53,6 +54,7 @@ class EngineCore:
         long_prefill_token_threshold: int | None = None,
         sampler_seed: int | None = None,
         kv_events: bool = False,
+        speculative: SpecConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine_dir = Path(engine_dir)
@@ -82,6 +84,8 @@ class EngineCore:
         )
         self.clock = clock
         self.sampler = Sampler(sampler_seed)
+        spec = speculative if speculative is not None and speculative.enabled else None
+        self.speculator = Speculator(spec) if spec is not None else None  # its verify-cost measurements persist
         self.reset()
         self.cost = StepCost(self.config.arch, self.runner.weight_bytes)
         self.eos_token_ids = frozenset(self.config.tokenizer.eos_token_ids)
@@ -107,7 +111,7 @@ class EngineCore:
         if pool.events is not None:
             pool.events += pending
         self.kv = KVCacheManager(pool, sc.block_size)
-        self.scheduler = Scheduler(sc, self.kv, self.clock)
+        self.scheduler = Scheduler(sc, self.kv, self.clock, getattr(self, "speculator", None))
         self.outputs = OutputProcessor(self.tokenizer)
         self.last_step = None
         self.last_newly_scheduled = []
@@ -177,7 +181,9 @@ class EngineCore:
         if sched.is_empty:
             return []
         reqs = [self.scheduler.requests[s.req_id] for s in sched.scheduled if s.sample]
-        constrained = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
+        plain = [r for s, r in zip((s for s in sched.scheduled if s.sample), reqs, strict=True) if not s.num_drafts]
+        # masks by row of the plain (non-verify) requests; a constrained verify step's come after the forward
+        constrained = [(i, r.grammar) for i, r in enumerate(plain) if r.grammar is not None]
         pending = self.masks.start(constrained) if constrained else None  # filled while the forward pass runs
         forward_start = time.perf_counter()
         logits = self.runner.execute(ForwardBatch.from_scheduler_output(sched, self.sched_cfg.block_size))
@@ -187,39 +193,102 @@ class EngineCore:
             wait_start = time.perf_counter()
             masks = pending.result()
             mask_ms, mask_wait_ms = masks.fill_ms, (time.perf_counter() - wait_start) * 1e3
-        sampled = self.sampler.sample(logits, reqs, masks)
-        tokens = {r.request_id: [t] for r, t in zip(reqs, sampled.token_ids, strict=True)}
-        logprobs = {r.request_id: lp for r, lp in zip(reqs, sampled.logprobs, strict=True)}
-        refused = self._advance_grammars(reqs, sampled.token_ids) if constrained else {}
+        tokens, logprobs = self._sample(sched, reqs, logits, masks)
+        grammars = constrained or any(r.grammar is not None for r in reqs)
+        refused = self._advance_grammars(reqs, [tokens[r.request_id] for r in reqs]) if grammars else {}
         outputs = []
         for req, num_new in self.scheduler.update_from_output(sched, tokens):  # every stop decided there
             logprob = logprobs[req.request_id]
-            outputs.append(self.outputs.output(req, num_new, [logprob] if logprob is not None else None))
+            outputs.append(self.outputs.output(req, num_new, logprob[:num_new] if logprob is not None else None))
             if req.is_finished:
                 self.scheduler.release(req)
         for out in self.abort(list(refused), RequestStatus.FINISHED_ERROR):
             out.error = refused[out.request_id]
             outputs.append(out)
         preempted = self.scheduler.num_preemptions - preempted_before
-        self._record(sched, start, forward_ms, len(reqs), preempted, (mask_ms, mask_wait_ms))
+        spec = self._spec_counts(sched, tokens, forward_ms) if self.speculator is not None else None
+        num_out = sum(map(len, tokens.values()))
+        self._record(sched, start, forward_ms, num_out, preempted, (mask_ms, mask_wait_ms), spec)
         return outputs
 
+    def _spec_counts(self, sched, tokens: dict[str, list[int]], forward_ms: float) -> dict:
+        """This step's speculative decoding counters (StepStats fields); a single-sequence decode step's forward time
+        also goes to the speculator's verify-cost table (by rows: 1 + drafts)."""
+        seqs = sched.scheduled
+        if len(seqs) == 1 and seqs[0].is_decode:
+            self.speculator.cost.observe(1 + seqs[0].num_drafts, forward_ms)
+        per_pos: list[int] = []
+        drafts = accepted = 0
+        for s in seqs:
+            if s.num_drafts:
+                drafts += 1
+                n = len(tokens[s.req_id]) - 1
+                accepted += n
+                per_pos += [0] * (max(s.num_drafts, len(per_pos)) - len(per_pos))
+                for i in range(n):
+                    per_pos[i] += 1
+        return {
+            "num_spec_drafts": drafts,
+            "num_spec_draft_tokens": sched.num_draft_tokens,
+            "num_spec_accepted_tokens": accepted,
+            "spec_accepted_per_pos": tuple(per_pos),
+        }
+
+    def _sample(self, sched, reqs: list[Request], logits, masks) -> tuple[dict[str, list[int]], dict[str, list | None]]:
+        """The step's new tokens per request id (and their logprobs, or None): one per plain row (sampled as a
+        batch), 1 to k + 1 per verify step (its rows checked against its drafts: Sampler.verify)."""
+        seqs = [s for s in sched.scheduled if s.sample]
+        if not sched.num_draft_tokens:  # no verify step: one row per request
+            sampled = self.sampler.sample(logits, reqs, masks)
+            tokens = {r.request_id: [t] for r, t in zip(reqs, sampled.token_ids, strict=True)}
+            return tokens, {
+                r.request_id: None if lp is None else [lp] for r, lp in zip(reqs, sampled.logprobs, strict=True)
+            }
+        plain, rows, at = [], [], 0  # plain requests and their rows; verify steps checked one by one
+        tokens, logprobs = {}, {}
+        for seq, req in zip(seqs, reqs, strict=True):
+            n = 1 + seq.num_drafts if seq.num_drafts else 1
+            if seq.num_drafts:
+                drafts = seq.token_ids[-seq.num_drafts :]
+                allowed = self.masks.along(req.grammar, drafts) if req.grammar is not None else None
+                out, lps = self.sampler.verify(logits[at : at + n], req, drafts, allowed)
+                tokens[req.request_id] = out
+                logprobs[req.request_id] = None if req.sampling.logprobs is None else lps
+            else:
+                plain.append(req)
+                rows.append(at)
+            at += n
+        if plain:  # masks are by row of this plain batch (step()); a verify step's: MaskFiller.along
+            sampled = self.sampler.sample(logits[rows], plain, masks)
+            for r, t, lp in zip(plain, sampled.token_ids, sampled.logprobs, strict=True):
+                tokens[r.request_id] = [t]
+                logprobs[r.request_id] = None if lp is None else [lp]
+        return tokens, logprobs
+
     @staticmethod
-    def _advance_grammars(reqs: list[Request], token_ids: list[int]) -> dict[str, str]:
-        """Advance each constrained request's matcher past its new token; the ids it refused (never, as the mask
-        is applied; a bug otherwise: that request fails alone) -> why."""
+    def _advance_grammars(reqs: list[Request], token_ids: list[list[int]]) -> dict[str, str]:
+        """Advance each constrained request's matcher past its new tokens (a verify step's: the accepted drafts
+        and one more); the ids it refused (never, as the masks are applied; a bug otherwise: that request fails
+        alone) -> why."""
         refused = {}
-        for req, token in zip(reqs, token_ids, strict=True):
+        for req, tokens in zip(reqs, token_ids, strict=True):
             if req.grammar is not None:
                 try:
-                    req.grammar.consume([token])
+                    req.grammar.consume(tokens)
                 except GrammarError as exc:
                     logger.error("request %s: %s", req.request_id, exc)
                     refused[req.request_id] = "the output left its constraint's grammar"
         return refused
 
     def _record(
-        self, sched, start: float, forward_ms: float, num_sampled: int, num_preempted: int, mask: tuple[float, float]
+        self,
+        sched,
+        start: float,
+        forward_ms: float,
+        num_sampled: int,
+        num_preempted: int,
+        mask: tuple[float, float],
+        spec: dict | None = None,
     ) -> None:
         flops, moved = self.cost.of(sched)
         self.last_step = StepStats(
@@ -238,6 +307,7 @@ class EngineCore:
             num_preempted=num_preempted,
             mask_ms=mask[0],
             mask_wait_ms=mask[1],
+            **(spec or {}),
         )
 
     def fail_all(self, message: str) -> list[RequestOutput]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import llguidance as llg
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from service.errors import InvalidRequest
 from service.request import CONSTRAINT_FIELDS, Constraint
@@ -242,6 +242,23 @@ class MaskFiller:
         masks = BatchMasks.of({row: i for i, (row, _) in enumerate(states)}, bitmask, self.vocab_size)
         masks.fill_ms = (time.perf_counter() - start) * 1e3
         return masks
+
+    def along(self, state: GrammarState, tokens: Sequence[int]) -> list[np.ndarray]:
+        """The allowed tokens at each position of a speculative verify step: bool [vocab] for the state now and
+        after each of `tokens` (len(tokens) + 1 masks; the tokens must be valid: Speculator drafts only those).
+        In the calling thread; the state is rolled back to where it was."""
+        bitmask = allocate_token_bitmask(len(tokens) + 1, self.vocab_size)
+        consumed = 0
+        try:
+            for i in range(len(tokens) + 1):
+                fill_next_token_bitmask(state.matcher, bitmask, i)
+                if i < len(tokens):
+                    state.consume([tokens[i]])
+                    consumed += 1
+        finally:
+            state.rollback(consumed)
+        table = BatchMasks.of({}, bitmask, self.vocab_size).table
+        return list(table)
 
     def close(self) -> None:
         if self._pool is not None:

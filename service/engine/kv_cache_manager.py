@@ -121,6 +121,20 @@ class KVCacheManager:
             )
         )
 
+    def trim(self, req: Request) -> None:
+        """Free the request's blocks past the ones its computed tokens fill (after speculative drafts were
+        rejected: those blocks held only rejected drafts' KV; never cached, as only known tokens are hashed)."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = -(-req.num_computed_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        extra = blocks[keep:]
+        del blocks[keep:]
+        for block in extra:
+            if block.ref_cnt == 1:
+                self.pool.uncache(block)
+        self.pool.free_blocks(reversed(extra))
+
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, ())]
 

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from service.engine.spec_decode import tentative
 from service.request import Request, TokenLogprob
 
 # Relative probability below which tokens are left out of the sorted candidate set for top-k / top-p.
@@ -62,10 +63,13 @@ def _penalize(row: np.ndarray, req: Request) -> None:
         row[ids] -= p.frequency_penalty * counts + p.presence_penalty
 
 
-def _uniform(req: Request, rng: np.random.Generator) -> float:
+def _uniform(req: Request, rng: np.random.Generator, purpose: int = 0) -> float:
+    """A uniform number for the token at index len(output) (purpose 0: a plain draw; 1, 2: the acceptance test and
+    the resample of speculative decoding's rejection rule)."""
     if req.sampling.seed is None:
         return float(rng.random())
-    return float(np.random.default_rng([req.sampling.seed, len(req.output_token_ids)]).random())
+    key = [req.sampling.seed, len(req.output_token_ids)] + ([purpose] if purpose else [])
+    return float(np.random.default_rng(key).random())
 
 
 def _draw(probs: np.ndarray, ids: np.ndarray | None, u: float) -> int:
@@ -77,13 +81,20 @@ def _draw(probs: np.ndarray, ids: np.ndarray | None, u: float) -> int:
 
 def sample_row(row: np.ndarray, req: Request, u: float) -> int:
     """One token from a row of (penalized) logits [V] with temperature > 0."""
+    probs, ids = distribution(row, req)
+    return _draw(probs, ids, u)
+
+
+def distribution(row: np.ndarray, req: Request) -> tuple[np.ndarray, np.ndarray | None]:
+    """What a row of (penalized) logits [V] is sampled from, temperature > 0: unnormalized probabilities, and
+    the token of each (None: probs is over the whole vocabulary, [V])."""
     p = req.sampling
     scaled = row.astype(np.float64) / p.temperature
     probs = np.exp(scaled - scaled.max())  # [V] unnormalized; the most likely token has 1.0
     if p.min_p > 0:
         probs[probs < p.min_p] = 0.0
     if not p.top_k and p.top_p >= 1.0:
-        return _draw(probs, None, u)
+        return probs, None
     total = probs.sum()
     ids = np.flatnonzero(probs >= max(CANDIDATE_THRESHOLD, p.min_p))  # candidates, ascending ids
     cand = probs[ids]
@@ -101,7 +112,22 @@ def sample_row(row: np.ndarray, req: Request, u: float) -> int:
     if p.top_p < 1.0:
         cut = int(np.searchsorted(np.cumsum(cand, dtype=np.float64), p.top_p * mass, side="left")) + 1
         cand, ids = cand[:cut], ids[:cut]
-    return _draw(cand, ids, u)
+    return cand, ids
+
+
+def accept_or_resample(probs: np.ndarray, ids: np.ndarray | None, draft: int, u_accept: float, u_draw: float) -> int:
+    """The rejection rule for a deterministic draft: the draft with probability p(draft), else a token from p with
+    the draft removed and renormalized (the result is distributed exactly as p)."""
+    at = draft if ids is None else np.flatnonzero(ids == draft)
+    p_draft = float(probs[at].sum()) if np.size(at) else 0.0
+    total = float(probs.sum(dtype=np.float64))
+    if u_accept * total < p_draft:
+        return draft
+    rest = probs.astype(np.float64)  # a copy
+    rest[at] = 0.0
+    if not rest.any():  # p was a point mass on the draft (then u_accept < 1 accepted it): unreachable
+        return draft
+    return _draw(rest, ids, u_draw)
 
 
 class Masks(Protocol):
@@ -149,6 +175,40 @@ class Sampler:
             n = req.sampling.logprobs
             logprobs.append(None if n is None else token_logprob(logits[i], token, n))
         return SamplerOutput(tokens, logprobs)
+
+    def verify(
+        self, rows: np.ndarray, req: Request, drafts: list[int], allowed: list[np.ndarray] | None = None
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Speculative decoding's verification of one request: rows [k + 1, V] the logits at the positions of the
+        last accepted token and of the k drafts; allowed: a constrained request's mask at each position (bool
+        [V], k + 1 of them). Returns the tokens that come out (the accepted drafts, then the correction or bonus
+        token: 1 to k + 1) and their logprobs (service/engine/spec_decode.py)."""
+        tokens: list[int] = []
+        p = req.sampling
+        for i, row in enumerate(rows):
+            with tentative(req, tokens) as state:
+                edited = row
+                if allowed is not None or self._needs_edit(state):
+                    edited = row.copy()
+                    if allowed is not None:
+                        edited[~allowed[i]] = -np.inf
+                    self._edit(edited, state, allowed is not None)
+                if i == len(drafts):  # every draft accepted: the bonus token, drawn as in a plain step
+                    token = (
+                        int(np.argmax(edited)) if p.greedy else sample_row(edited, state, _uniform(state, self._rng))
+                    )
+                elif p.greedy:
+                    token = int(np.argmax(edited))
+                else:
+                    probs, ids = distribution(edited, state)
+                    u_accept, u_draw = _uniform(state, self._rng, 1), _uniform(state, self._rng, 2)
+                    token = accept_or_resample(probs, ids, drafts[i], u_accept, u_draw)
+            tokens.append(token)
+            if i == len(drafts) or token != drafts[i]:
+                break
+        n = p.logprobs
+        logprobs = [None if n is None else token_logprob(rows[i], t, n) for i, t in enumerate(tokens)]
+        return tokens, logprobs
 
     @staticmethod
     def _needs_edit(req: Request) -> bool:

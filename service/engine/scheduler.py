@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from service.engine.kv_cache_manager import KVCacheManager
 from service.engine.scheduler_config import SchedulerConfig
 from service.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from service.engine.spec_decode import Speculator
 from service.request import Request, RequestStatus
 from service.stops import stop_for
 
@@ -31,10 +32,17 @@ _STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINIS
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        kv: KVCacheManager,
+        clock: Callable[[], float] = time.monotonic,
+        speculator: Speculator | None = None,
+    ) -> None:
         self.cfg = cfg
         self.kv = kv
         self.clock = clock
+        self.speculator = speculator  # None: no speculative decoding
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by _order_key
         self.running: list[Request] = []  # in admission order (newest last)
@@ -73,12 +81,21 @@ class Scheduler:
         # budget, so a short request arriving during a long chunked prefill starts in the next step.
         can_admit = self.waiting and len(self.running) < self.cfg.max_num_seqs
         reserve = int(budget * WAITING_RESERVE_FRACTION) if can_admit else 0
-        # 1. every running decode gets its token first, whatever prefill was admitted before it
-        for req in list(self.running):
+        # 1. every running decode gets its token first, whatever prefill was admitted before it (with drafts to
+        # verify, where speculation is on and the step has few enough decodes for it to pay)
+        decodes = [
+            r for r in self.running if r.status == RequestStatus.RUNNING and r.num_tokens - r.num_computed_tokens == 1
+        ]
+        spec = (
+            self.speculator if self.speculator and len(decodes) <= self.speculator.cfg.disable_by_batch_size else None
+        )
+        for req in decodes:
             if budget <= 0:
                 break
-            if req.status == RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
-                budget = self._schedule_running(req, 1, budget, out)
+            if req.status != RequestStatus.RUNNING:  # preempted for an earlier decode of this loop
+                continue
+            drafts = spec.drafts(req, self._draft_room(req, budget - 1)) if spec else []
+            budget = self._schedule_running(req, 1 + len(drafts), budget, out, drafts)
         # 2. then prefill (or recompute) chunks, each capped while decodes run: the step stays short
         decoding = bool(out.scheduled)
         for req in list(self.running):
@@ -99,15 +116,27 @@ class Scheduler:
         cap = self.cfg.prefill_cap(req.num_computed_tokens) if decoding else None
         return min(need, budget, cap or need)
 
-    def _schedule_running(self, req: Request, num_new: int, budget: int, out: SchedulerOutput) -> int:
-        """Schedule num_new tokens of a running request, preempting the lowest-priority, newest running requests
-        while the pool cannot give it blocks (it may be the victim itself); returns the budget left."""
+    def _draft_room(self, req: Request, budget: int) -> int:
+        """Drafts a decode may carry: the step's budget left, and the tokens max_tokens and max_seq_len leave
+        after its next one (a draft past either could never be used)."""
+        left = min(req.sampling.max_tokens - len(req.output_token_ids), self.cfg.max_seq_len - req.num_tokens)
+        return min(budget, left - 1)
+
+    def _schedule_running(
+        self, req: Request, num_new: int, budget: int, out: SchedulerOutput, drafts: list[int] | None = None
+    ) -> int:
+        """Schedule num_new tokens of a running request (the last of them `drafts`, if any), preempting the
+        lowest-priority, newest running requests while the pool cannot give it blocks (it may be the victim
+        itself); returns the budget left. Drafts are dropped first when blocks are short."""
         while self.kv.allocate_slots(req, num_new) is None:
+            if drafts:  # no room for the drafts: verify none rather than preempt anyone for them
+                num_new, drafts = num_new - len(drafts), []
+                continue
             victim = max(self.running, key=lambda r: self._order[r.request_id])  # lowest priority, newest
             budget += self._preempt(victim, out)
             if victim is req:
                 return budget
-        self._schedule_seq(req, num_new, out)
+        self._schedule_seq(req, num_new, out, drafts or [])
         return budget - num_new
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, decoding: bool) -> None:
@@ -138,23 +167,26 @@ class Scheduler:
             self._schedule_seq(req, num_new, out)
             budget -= num_new
 
-    def _schedule_seq(self, req: Request, num_new: int, out: SchedulerOutput) -> None:
+    def _schedule_seq(self, req: Request, num_new: int, out: SchedulerOutput, drafts: list[int] = ()) -> None:
         start = req.num_computed_tokens
-        is_decode = num_new == 1 and start >= req.num_prompt_tokens
+        num_known = num_new - len(drafts)  # tokens whose ids are known; the drafts follow them
+        is_decode = num_known == 1 and start >= req.num_prompt_tokens
         out.scheduled.append(
             ScheduledSeq(
                 req_id=req.request_id,
-                token_ids=req.all_token_ids[start : start + num_new],
+                token_ids=req.all_token_ids[start : start + num_known] + list(drafts),
                 num_computed=start,
                 block_ids=self.kv.block_ids(req.request_id),
-                sample=start + num_new == req.num_tokens,
+                sample=start + num_known == req.num_tokens,
                 is_decode=is_decode,
+                num_drafts=len(drafts),
             )
         )
         out.num_scheduled_tokens[req.request_id] = num_new
         out.total_num_scheduled_tokens += num_new
         if is_decode:
             out.num_decode_tokens += 1
+            out.num_draft_tokens += len(drafts)
         else:
             out.num_prefill_tokens += num_new
 
@@ -175,6 +207,7 @@ class Scheduler:
             out.total_num_scheduled_tokens -= returned
             if seq.is_decode:
                 out.num_decode_tokens -= 1
+                out.num_draft_tokens -= seq.num_drafts
             else:
                 out.num_prefill_tokens -= returned
         logger.debug("preempted %s (%d preemptions so far)", victim.request_id, victim.num_preemptions)
@@ -183,7 +216,8 @@ class Scheduler:
     # ---- results ---------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, int]]:
         """Apply a step's results: advance computed tokens, append each request's new tokens (its text too) and
-        decide every stop rule (service/stops.py) at each, ending the request at the first that stops it.
+        decide every stop rule (service/stops.py) at each, ending the request at the first that stops it. A
+        verify step's tokens are its accepted drafts and one more: rejected drafts' KV is rolled back.
 
         Returns (request, tokens appended) for the requests that got tokens (finished ones included, freed).
         """
@@ -193,8 +227,14 @@ class Scheduler:
             req = self.requests.get(seq.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += len(seq.token_ids)
             tokens = sampled.get(seq.req_id)
+            if seq.num_drafts:  # a verify step: KV holds its last token and the accepted drafts, no more
+                accepted = len(tokens) - 1
+                req.num_computed_tokens += 1 + accepted
+                self.kv.trim(req)  # blocks that only rejected drafts used go back
+                req.spec.record(seq.num_drafts, accepted)
+            else:
+                req.num_computed_tokens += len(seq.token_ids)
             if not tokens:
                 continue
             appended = 0

@@ -25,7 +25,7 @@ class StepCost:
     def of(self, sched: SchedulerOutput) -> tuple[float, float]:
         """(flops, bytes) of the step the scheduler decided."""
         tokens = sched.total_num_scheduled_tokens
-        sampled = sum(1 for s in sched.scheduled if s.sample)
+        sampled = sum(1 + s.num_drafts for s in sched.scheduled if s.sample)  # LM head rows
         pairs = 0  # (query, visible key) pairs over the batch
         context = 0  # KV tokens read
         for s in sched.scheduled:

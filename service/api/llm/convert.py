@@ -30,6 +30,8 @@ def _sampling(req: llm_pb2.GenerateRequest) -> SamplingParams:
         values["top_k"] = s.top_k
     if s.HasField("seed"):
         values["seed"] = s.seed
+    if s.HasField("num_speculative_tokens"):
+        values["num_speculative_tokens"] = s.num_speculative_tokens
     if st.HasField("max_tokens"):
         values["max_tokens"] = st.max_tokens
     if out.HasField("logprobs"):

@@ -68,6 +68,8 @@ def _complete(request_id: str, out: RequestOutput, completion_tokens: int) -> ll
             tpot_ms=t.tpot_ms,
             e2e_ms=t.e2e_ms,
             source=TIMING_SOURCES.get(t.source, llm_pb2.TIMING_SOURCE_UNSPECIFIED),
+            spec_draft_tokens=t.spec_draft_tokens,
+            spec_accepted_tokens=t.spec_accepted_tokens,
         ),
     )
     if isinstance(out.stop_reason, str):
@@ -208,4 +210,6 @@ def model_info(backend: Backend, max_concurrent_rpcs: int) -> llm_pb2.ModelInfo:
         not_reported=list(i.not_reported),
         constraint_kinds=[CONSTRAINT_FIELDS[k] for k in i.constraint_kinds],
         kv_cache_dtype=i.kv_cache_dtype,
+        speculative_method=i.speculative_method,
+        num_speculative_tokens=i.num_speculative_tokens,
     )

@@ -99,9 +99,10 @@ class Responder:
                 one(name, "INT64", value)
             for name, value in zip(KV_CACHE_OUTPUTS, self._blocks(out), strict=True):
                 one(name, "INT32", value)
-            one("acceptance_rate", "FP32", 0.0)  # no draft tokens (speculative decoding is not on)
-            for name in DRAFT_OUTPUTS:
-                one(name, "INT32", 0)
+            drafted, accepted = out.timing.spec_draft_tokens, out.timing.spec_accepted_tokens  # 0 without drafts
+            one("acceptance_rate", "FP32", accepted / drafted if drafted else 0.0)
+            for name, value in zip(DRAFT_OUTPUTS, (accepted, drafted), strict=True):
+                one(name, "INT32", value)
         if self.unary:
             return b.response
         return b.final(final or (out is not None and out.finished))

@@ -244,7 +244,8 @@ def chunk(request_id: str, ids: list[int], lps: list[TokenLogprob] | None, out: 
 def complete(
     request_id: str, out: RequestOutput, ids: list[int], lps: list[TokenLogprob], last_token: int | None, perf: bool
 ) -> pb.GenerateResponse:
-    """The final message: every output id (the stop token left out unless asked for), why it ended, the counts."""
+    """The final message: every output id (the stop token left out unless asked for), why it ended, the counts
+    (speculative decoding's spec_draft_tokens / spec_accepted_tokens included)."""
     done = pb.GenerateComplete(
         output_token_ids=ids,
         finish_reason=out.finish_reason or "",
@@ -261,6 +262,9 @@ def complete(
         token = out.stop_reason if isinstance(out.stop_reason, int) else last_token
         if token is not None:
             done.matched_token_id = token
+    if out.timing is not None:  # speculative decoding's counts (0 where the backend does not speculate)
+        done.spec_draft_tokens = out.timing.spec_draft_tokens
+        done.spec_accepted_tokens = out.timing.spec_accepted_tokens
     if perf and out.timing is not None:
         done.perf_metrics.CopyFrom(perf_metrics(out))
     return pb.GenerateResponse(request_id=request_id, complete=done)

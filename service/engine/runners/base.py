@@ -40,6 +40,7 @@ class ForwardBatch:
     seq_lens: np.ndarray  # [B] int64, tokens in the KV cache for sequence b once this step has written
     block_tables: list[np.ndarray]  # B arrays of [ceil(seq_lens[b] / block_size)] int64 block ids
     logits_seqs: np.ndarray  # [S] int64, the sequences whose last token goes through the LM head (in order)
+    logits_rows: np.ndarray  # [R] int64, the token rows that go through the LM head (R >= S), in order
 
     @property
     def num_seqs(self) -> int:
@@ -51,8 +52,14 @@ class ForwardBatch:
 
     @classmethod
     def from_chunks(
-        cls, chunks: Sequence[ChunkLike], block_size: int, logits_seqs: Sequence[int] | None = None
+        cls,
+        chunks: Sequence[ChunkLike],
+        block_size: int,
+        logits_seqs: Sequence[int] | None = None,
+        all_rows: Sequence[int] = (),
     ) -> ForwardBatch:
+        """all_rows: sequences of logits_seqs whose every new token goes through the LM head (a verify step of
+        speculative decoding), not only the last."""
         token_ids, positions, slots, starts, lens, tables = [], [], [], [0], [], []
         for c in chunks:
             n = len(c.token_ids)
@@ -67,6 +74,9 @@ class ForwardBatch:
             starts.append(starts[-1] + n)
             lens.append(end)
             tables.append(table)
+        seqs = np.arange(len(chunks)) if logits_seqs is None else np.asarray(logits_seqs, dtype=np.int64)
+        every = set(all_rows)
+        rows = [r for b in seqs for r in (range(starts[b], starts[b + 1]) if b in every else (starts[b + 1] - 1,))]
         return cls(
             token_ids=np.concatenate(token_ids),
             positions=np.concatenate(positions),
@@ -74,14 +84,16 @@ class ForwardBatch:
             query_start_loc=np.asarray(starts, dtype=np.int64),
             seq_lens=np.asarray(lens, dtype=np.int64),
             block_tables=tables,
-            logits_seqs=np.arange(len(chunks)) if logits_seqs is None else np.asarray(logits_seqs, dtype=np.int64),
+            logits_seqs=seqs,
+            logits_rows=np.asarray(rows, dtype=np.int64),
         )
 
     @classmethod
     def from_scheduler_output(cls, sched: SchedulerOutput, block_size: int) -> ForwardBatch:
         """The step the scheduler decided; logits only for sequences that sample a token."""
         sampled = [i for i, s in enumerate(sched.scheduled) if s.sample]
-        return cls.from_chunks(sched.scheduled, block_size, sampled)
+        verified = [i for i in sampled if sched.scheduled[i].num_drafts]
+        return cls.from_chunks(sched.scheduled, block_size, sampled, verified)
 
 
 class ModelRunner(Protocol):
@@ -91,5 +103,6 @@ class ModelRunner(Protocol):
     block_size: int
 
     def execute(self, batch: ForwardBatch) -> np.ndarray:
-        """Run one forward pass; return the logits of the last token of batch.logits_seqs, [S, vocab] float32."""
+        """Run one forward pass; return the logits of batch.logits_rows, [R, vocab] float32 (the last token of
+        each of batch.logits_seqs, every token of a verify step's sequence)."""
         ...

@@ -157,7 +157,7 @@ class NumpyRunner:
         return 2 * arch.num_hidden_layers * config.limits.kv_block_size * per_slot
 
     def execute(self, batch: ForwardBatch) -> np.ndarray:
-        """Forward pass over the batch; logits of the last new token of each of batch.logits_seqs, [S, V]."""
+        """Forward pass over the batch; logits of batch.logits_rows, [R, V]."""
         # token_ids, positions, slot_mapping: [T]
         T = batch.num_tokens
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
@@ -176,9 +176,9 @@ class NumpyRunner:
             # feed-forward block
             h = rms_normalize(x, self.eps, w.ffn_norm)  # [T, D]
             x += linear(silu_mul(linear(h, w.gate_up)), w.down)  # [T, 2F] -> [T, F] -> [T, D]
-        last = x[batch.query_start_loc[1:][batch.logits_seqs] - 1]  # [S, D] last new token of each sampled seq
-        h = rms_normalize(last, self.eps, self.final_norm)  # [S, D]
-        return linear(h, self.lm_head)  # [S, V]
+        last = x[batch.logits_rows]  # [R, D] the last new token of each sampled seq (every token of a verify step)
+        h = rms_normalize(last, self.eps, self.final_norm)  # [R, D]
+        return linear(h, self.lm_head)  # [R, V]
 
     def _write_kv(self, layer: int, qkv: np.ndarray, slot_mapping: np.ndarray) -> None:
         # qkv: [T, H + 2KV, hd]; slot = block_id * block_size + offset in the layer's cache
