@@ -124,9 +124,10 @@ def test_greedy_with_speculation_equals_greedy_without(engine_dir: Path) -> None
 
 @pytest.mark.slow
 def test_greedy_with_speculation_equals_greedy_without_on_smollm2(smollm2_engine_dir: Path) -> None:
-    """The golden prompts, and 1,024 tokens of a copy-heavy prompt, one request at a time."""
-    passage = " ".join(f"Item {i}: the {w} costs {i * 3 % 17} dollars." for i, w in enumerate(["apple", "pear"] * 20))
-    copy = {"role": "user", "content": f"Repeat this list exactly, then repeat it again:\n\n{passage}"}
+    """The golden prompts, and 1,024 tokens of a copy-heavy prompt (spec_bench's rename-a-variable instruction),
+    one request at a time."""
+    workloads = json.loads((Path(__file__).parent.parent / "benchmarks" / "data" / "spec_prompts.json").read_text())
+    copy = {"role": "user", "content": next(w for w in workloads["workloads"] if w["name"] == "rename")["content"]}
     plain = EngineCore(smollm2_engine_dir, num_kv_blocks=160)
     spec = EngineCore(smollm2_engine_dir, num_kv_blocks=160, speculative=SpecConfig(method="ngram"))
     cases = [(c["prompt_token_ids"], 32) for c in GOLDEN["cases"]]

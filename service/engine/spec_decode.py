@@ -35,10 +35,12 @@ PRIOR_COST = (1.0, 1.0, 1.25, 1.3, 1.35, 1.45, 1.55, 1.65, 1.75, 1.9, 2.0, 2.1, 
 # A request's acceptance rate before it has drafted (a prior).
 PRIOR_ACCEPTANCE = 0.5
 # Draft positions tried (accepted, or the one rejected) the acceptance estimate remembers (an exponential window):
-# short, so a request whose drafts stop matching stops paying for verify rows within a few steps.
-ACCEPTANCE_WINDOW = 8.0
-# Steps without drafts over which a request's acceptance estimate drifts back toward the prior (1/e).
-RETRY_STEPS = 64.0
+# short, so a request whose drafts stop matching stops paying for verify rows within a few steps (8 kept copy tasks
+# from drafting again after a short miss; 32 kept prose drafting too long).
+ACCEPTANCE_WINDOW = 16.0
+# Decode steps without drafts after which a request probes with one draft (accepted: its estimate goes back to the
+# prior at least, so a copy that starts late is drafted from again).
+RETRY_STEPS = 16
 
 
 class NgramDrafter:
@@ -83,10 +85,15 @@ class SpecState:
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafts accepted at position i
     acceptance: float = PRIOR_ACCEPTANCE  # recent acceptance rate (exponential window)
+    idle: int = 0  # decode steps since the last drafts
+    probing: bool = False  # the drafts in flight are a probe (one draft while the estimate said none)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
+        probe, self.probing = self.probing, False
         if num_drafts == 0:
             return
+        if probe and num_accepted:  # the text copies again: back to the prior, the cost model decides from there
+            self.acceptance = max(self.acceptance, PRIOR_ACCEPTANCE)
         self.drafts += 1
         self.draft_tokens += num_drafts
         self.accepted_tokens += num_accepted
@@ -174,10 +181,13 @@ class Speculator:
         if state is None or room <= 0:
             return []
         k = choose_k(state.acceptance, min(state.max_k, room), self.cost)
-        if not k:  # drift back toward the prior, so a request that stopped drafting tries again now and then
-            state.acceptance += (PRIOR_ACCEPTANCE - state.acceptance) / RETRY_STEPS
+        state.idle = 0 if k else state.idle + 1
+        if not k and state.idle < RETRY_STEPS:
             return []
+        if not k:  # a request that stopped drafting probes with one draft now and then (SpecState.record)
+            k, state.idle, state.probing = 1, 0, True
         drafts = state.drafter.propose(req.all_token_ids, k)
         if drafts and req.grammar is not None:  # only what the grammar allows: the longest valid prefix
             drafts = drafts[: req.grammar.matcher.validate_tokens(drafts)]
+        state.probing = state.probing and bool(drafts)
         return drafts
