@@ -48,8 +48,8 @@ GOLDEN = Path(__file__).resolve().parent.parent / "tests" / "golden" / "smollm2_
 
 
 def bandwidth_gbs() -> float:
-    """The machine's read bandwidth, GB/s: the best of roofline.py's read measurements."""
-    return max(read_bandwidth_gbs(runs=3, size_mb=256).values())
+    """The machine's read bandwidth, GB/s: roofline.py's one measurement (a GEMV over >= 4x the LLC), best of 3."""
+    return read_bandwidth_gbs(3)
 
 
 def fill_random(runner: NumpyRunner, rng: np.random.Generator) -> None:

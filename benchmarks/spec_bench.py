@@ -134,7 +134,7 @@ def main() -> None:
             res["spec"].append(run_one(spec, ids, args.output_len, f"s{r}{name}"))
             print(f"round {r} {name}: plain {res['plain'][-1]['tok_s']:.0f} spec {res['spec'][-1]['tok_s']:.0f} tok/s",
                   flush=True)  # fmt: skip
-    bw = max(read_bandwidth_gbs(3).values())
+    bw = read_bandwidth_gbs(3)  # the one ceiling (service/engine/roofline.py), in this run
     arch = plain.config.arch
     kv_per_token = 2 * arch.num_hidden_layers * arch.kv_size * 4
     mean_ctx = statistics.mean(len(ids) for ids in prompts.values()) + args.output_len / 2
