@@ -154,7 +154,9 @@ def main() -> None:
     use = meter.stop()
 
     lines = [
-        f"`python -m benchmarks.spec_bench --engine {args.engine} --rounds {args.rounds} --output-len "
+        "## Speculative decoding: n-gram drafts against plain decode (`python -m benchmarks.spec_bench`)",
+        "",
+        f"Command: `python -m benchmarks.spec_bench --engine {args.engine} --rounds {args.rounds} --output-len "
         f"{args.output_len} --streams {args.streams}{' --write' if args.write else ''}`; {machine_line()}; kernels {BACKEND.name}; other load during the run "
         f"{use.others:.2f} cores. One stream, greedy, {args.output_len} tokens each (ignore_eos), "
         f"--num-speculative-tokens {args.num_speculative_tokens} (k chosen per step), medians of {args.rounds} "
@@ -193,7 +195,7 @@ def main() -> None:
             ours = statistics.median(x["tok_s"] for x in results[name]["spec"])
             lines.append(f"| {name} | {lp:.0f} | {ls:.0f} | {ls / lp:.2f}x | {a / d if d else 0:.2f} | "
                          f"{ours / ls:.2f}x |")  # fmt: skip
-    publish("Speculative decoding", lines, args.write)
+    publish("spec_bench", lines, args.write)
 
 
 if __name__ == "__main__":
