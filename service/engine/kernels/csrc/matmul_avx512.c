@@ -10,7 +10,10 @@
 #include "kernels.h"
 
 #ifndef PF_DIST
-#define PF_DIST 1024 /* software prefetch distance in bytes along the weight stream (as matmul_avx2.c) */
+/* software prefetch distance in bytes along the weight stream: 2 KB measured best on the AVX-512 box of
+ * docs/benchmarks.md (decode's whole weight set 3.7-3.9 ms against 4.3-4.7 at 1 KB; 0.5, 1.5, 2.5, 3 and 4 KB
+ * slower), A/B in one process per setting, best of 60 */
+#define PF_DIST 2048
 #endif
 
 AVX512_INLINE __m512 ldh16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
