@@ -71,7 +71,7 @@ def test_llama_server_comparison_table() -> None:
     assert any("`CPU : AVX2 = 1 |`" in line for line in lines)
     assert "| ours (gRPC) | 190.0 [200.0, 180.0] | 650 | 75.0 | 0.10 |" in lines
     assert "| llama-server (HTTP) | 95.0 [100.0, 90.0] | 6500 | 130.0 | 0.10 |" in lines
-    assert lines[-1].startswith("| ratio | **2.00x** (floor 2x, stretch 3x) | **0.10x**")
+    assert lines[-1].startswith("| ratio | **2.00x** (target >= 2x, stretch 2.5x) | **0.10x** (target <= 0.33x)")
     assert _exact(rounds[0][1], 32, args, "llama-server") is rounds[0][1]
     short = {**_summary(1, 1, 1), "output_tokens": 32 * 128 - 5}  # a request that stopped early: not the same work
     with pytest.raises(RuntimeError, match="llama-server"):
