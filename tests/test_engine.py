@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from service.engine.core import EngineCore
-from service.request import GenerateRequest, RequestOutput, SamplingParams
+from service.request import GenerateRequest, SamplingParams
 from tests.engines import build_tiny
+from tests.engines import run_engine as _run
+from tests.engines import tokens_of as _tokens
 
 VOCAB = 267
 
@@ -22,24 +24,6 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, VOCAB, size=int(rng.integers(4, 120))).tolist() for _ in range(n)]
-
-
-def _run(engine: EngineCore, gens: list[GenerateRequest], arrival_steps: list[int] | None = None) -> dict:
-    outputs: dict[str, list[RequestOutput]] = {g.request_id: [] for g in gens}
-    pending = sorted(zip(arrival_steps or [0] * len(gens), range(len(gens)), gens, strict=True))
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            engine.add_request(pending.pop(0)[2])
-        for out in engine.step():
-            outputs[out.request_id].append(out)
-        engine.scheduler.check_invariants()
-        step += 1
-    return outputs
-
-
-def _tokens(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
 
 
 def test_batch_invariance_with_chunked_prefill_and_preemption(engine_dir: Path) -> None:

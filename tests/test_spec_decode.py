@@ -20,8 +20,9 @@ import pytest
 from service.engine.core import EngineCore
 from service.engine.sampler import Sampler
 from service.engine.spec_decode import NgramDrafter, SpecConfig, VerifyCost, choose_k
-from service.request import GenerateRequest, InvalidRequest, Request, RequestOutput, RequestStatus, SamplingParams
-from tests.engines import build_tiny
+from service.request import GenerateRequest, InvalidRequest, Request, RequestStatus, SamplingParams
+from tests.engines import build_tiny, run_engine
+from tests.engines import tokens_of as _tokens
 
 SPEC = SpecConfig(method="ngram", num_speculative_tokens=6, prompt_lookup_min=2, prompt_lookup_max=4)
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2_golden.json").read_text())
@@ -33,25 +34,17 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _run(engine: EngineCore, gens: list[GenerateRequest], arrival_steps: list[int] | None = None) -> dict:
-    outputs: dict[str, list[RequestOutput]] = {g.request_id: [] for g in gens}
-    pending = sorted(zip(arrival_steps or [0] * len(gens), range(len(gens)), gens, strict=True))
-    step, drafted, accepted = 0, 0, 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            engine.add_request(pending.pop(0)[2])
-        for out in engine.step():
-            outputs[out.request_id].append(out)
-        engine.scheduler.check_invariants()
-        if engine.last_step is not None:
-            drafted += engine.last_step.num_spec_draft_tokens
-            accepted += engine.last_step.num_spec_accepted_tokens
-        step += 1
-    outputs["_counts"] = (drafted, accepted)
+    """run_engine's outputs, plus "_counts": (draft tokens, accepted drafts) over the run."""
+    counts = [0, 0]
+
+    def count(e: EngineCore) -> None:
+        if e.last_step is not None:
+            counts[0] += e.last_step.num_spec_draft_tokens
+            counts[1] += e.last_step.num_spec_accepted_tokens
+
+    outputs: dict = run_engine(engine, gens, arrival_steps, count)
+    outputs["_counts"] = tuple(counts)
     return outputs
-
-
-def _tokens(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
 
 
 def _repetitive_prompts(n: int, seed: int) -> list[list[int]]:

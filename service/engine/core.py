@@ -111,7 +111,7 @@ class EngineCore:
         if pool.events is not None:
             pool.events += pending
         self.kv = KVCacheManager(pool, sc.block_size)
-        self.scheduler = Scheduler(sc, self.kv, self.clock, getattr(self, "speculator", None))
+        self.scheduler = Scheduler(sc, self.kv, self.clock, self.speculator)
         self.outputs = OutputProcessor(self.tokenizer)
         self.last_step = None
         self.last_newly_scheduled = []
@@ -194,7 +194,7 @@ class EngineCore:
             masks = pending.result()
             mask_ms, mask_wait_ms = masks.fill_ms, (time.perf_counter() - wait_start) * 1e3
         tokens, logprobs = self._sample(sched, reqs, logits, masks)
-        grammars = constrained or any(r.grammar is not None for r in reqs)
+        grammars = any(r.grammar is not None for r in reqs)  # verify steps' constrained requests too
         refused = self._advance_grammars(reqs, [tokens[r.request_id] for r in reqs]) if grammars else {}
         outputs = []
         for req, num_new in self.scheduler.update_from_output(sched, tokens):  # every stop decided there
@@ -238,16 +238,10 @@ class EngineCore:
         """The step's new tokens per request id (and their logprobs, or None): one per plain row (sampled as a
         batch), 1 to k + 1 per verify step (its rows checked against its drafts: Sampler.verify)."""
         seqs = [s for s in sched.scheduled if s.sample]
-        if not sched.num_draft_tokens:  # no verify step: one row per request
-            sampled = self.sampler.sample(logits, reqs, masks)
-            tokens = {r.request_id: [t] for r, t in zip(reqs, sampled.token_ids, strict=True)}
-            return tokens, {
-                r.request_id: None if lp is None else [lp] for r, lp in zip(reqs, sampled.logprobs, strict=True)
-            }
         plain, rows, at = [], [], 0  # plain requests and their rows; verify steps checked one by one
         tokens, logprobs = {}, {}
         for seq, req in zip(seqs, reqs, strict=True):
-            n = 1 + seq.num_drafts if seq.num_drafts else 1
+            n = 1 + seq.num_drafts
             if seq.num_drafts:
                 drafts = seq.token_ids[-seq.num_drafts :]
                 allowed = self.masks.along(req.grammar, drafts) if req.grammar is not None else None
@@ -259,7 +253,7 @@ class EngineCore:
                 rows.append(at)
             at += n
         if plain:  # masks are by row of this plain batch (step()); a verify step's: MaskFiller.along
-            sampled = self.sampler.sample(logits[rows], plain, masks)
+            sampled = self.sampler.sample(logits if len(rows) == len(logits) else logits[rows], plain, masks)
             for r, t, lp in zip(plain, sampled.token_ids, sampled.logprobs, strict=True):
                 tokens[r.request_id] = [t]
                 logprobs[r.request_id] = None if lp is None else [lp]

@@ -130,10 +130,7 @@ class KVCacheManager:
             return
         extra = blocks[keep:]
         del blocks[keep:]
-        for block in extra:
-            if block.ref_cnt == 1:
-                self.pool.uncache(block)
-        self.pool.free_blocks(reversed(extra))
+        self._give_back(extra, 0)
 
     def block_ids(self, req_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req_id, ())]
@@ -145,8 +142,13 @@ class KVCacheManager:
         is leaving mid-step, e.g. preempted after being scheduled): their hashes are dropped.
         """
         blocks = self.req_blocks.pop(req.request_id, [])
-        for block in blocks[req.num_computed_tokens // self.block_size :]:
+        self._give_back(blocks, req.num_computed_tokens // self.block_size)
+        self.req_hashes.pop(req.request_id, None)
+
+    def _give_back(self, blocks: list[KVBlock], first_unwritten: int) -> None:
+        """Free blocks (tail first); those from index first_unwritten on never got their KV written (their hash,
+        if any, is dropped where no other request holds them)."""
+        for block in blocks[first_unwritten:]:
             if block.ref_cnt == 1:
                 self.pool.uncache(block)
         self.pool.free_blocks(reversed(blocks))
-        self.req_hashes.pop(req.request_id, None)

@@ -39,8 +39,8 @@ class ForwardBatch:
     query_start_loc: np.ndarray  # [B + 1] int64, token range of sequence b is [qsl[b], qsl[b + 1])
     seq_lens: np.ndarray  # [B] int64, tokens in the KV cache for sequence b once this step has written
     block_tables: list[np.ndarray]  # B arrays of [ceil(seq_lens[b] / block_size)] int64 block ids
-    logits_seqs: np.ndarray  # [S] int64, the sequences whose last token goes through the LM head (in order)
-    logits_rows: np.ndarray  # [R] int64, the token rows that go through the LM head (R >= S), in order
+    logits_rows: np.ndarray  # [R] int64, the token rows that go through the LM head, in order: the last new token
+    # of each sampled sequence (every new token of a verify step's)
 
     @property
     def num_seqs(self) -> int:
@@ -58,8 +58,8 @@ class ForwardBatch:
         logits_seqs: Sequence[int] | None = None,
         all_rows: Sequence[int] = (),
     ) -> ForwardBatch:
-        """all_rows: sequences of logits_seqs whose every new token goes through the LM head (a verify step of
-        speculative decoding), not only the last."""
+        """logits_seqs: the sequences whose last new token goes through the LM head (None: all); all_rows: those
+        of them whose every new token does (a verify step of speculative decoding)."""
         token_ids, positions, slots, starts, lens, tables = [], [], [], [0], [], []
         for c in chunks:
             n = len(c.token_ids)
@@ -84,7 +84,6 @@ class ForwardBatch:
             query_start_loc=np.asarray(starts, dtype=np.int64),
             seq_lens=np.asarray(lens, dtype=np.int64),
             block_tables=tables,
-            logits_seqs=seqs,
             logits_rows=np.asarray(rows, dtype=np.int64),
         )
 
@@ -103,6 +102,5 @@ class ModelRunner(Protocol):
     block_size: int
 
     def execute(self, batch: ForwardBatch) -> np.ndarray:
-        """Run one forward pass; return the logits of batch.logits_rows, [R, vocab] float32 (the last token of
-        each of batch.logits_seqs, every token of a verify step's sequence)."""
+        """Run one forward pass; return the logits of batch.logits_rows, [R, vocab] float32."""
         ...
