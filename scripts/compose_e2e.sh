@@ -125,11 +125,14 @@ if ! [ -x /usr/sbin/dockerd ] || ! [ -x /usr/bin/docker ] || ! command -v docker
         >/dev/null || fail "apt-get install docker.io docker-compose debootstrap failed"
 fi
 mkdir -p "$WORK"
+# One run at a time per machine: two runs would share the project's containers and volumes.
+exec 9>/tmp/llm-compose-e2e.lock
+flock -w 3600 9 || fail "another compose e2e run has held /tmp/llm-compose-e2e.lock for an hour"
 if docker info >/dev/null 2>&1; then
     ok "using the running Docker engine $(docker info -f '{{.ServerVersion}}')"
 else
     echo "  no Docker engine running: starting dockerd (log: $WORK/dockerd.log)"
-    /usr/sbin/dockerd >"$WORK/dockerd.log" 2>&1 &
+    /usr/sbin/dockerd >"$WORK/dockerd.log" 2>&1 9>&- &
     DOCKERD_PID=$!
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 0.5; done
     if ! docker info >/dev/null 2>&1; then
@@ -140,6 +143,18 @@ else
     ok "started dockerd $(docker info -f '{{.ServerVersion}}') (pid $DOCKERD_PID)"
 fi
 ok "$(PATH=/usr/bin:$PATH docker-compose version --short | sed 's/^/docker-compose /')"
+# A run killed before its teardown leaves the project behind, and dockerd restarts those containers (restart
+# policies) with their old engine volume: remove them first, or this run would test the leftovers.
+leftover=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+leftover+=$(docker volume ls -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+if [ -n "$leftover" ]; then
+    echo "  removing what an earlier run that did not finish left behind (project $COMPOSE_PROJECT_NAME)"
+    COMPOSE_PROFILES=loadtest,scale,monitoring,gateway compose down -v --remove-orphans --timeout 30 >/dev/null 2>&1
+    ids_left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+    [ -z "$ids_left" ] || docker rm -f $ids_left >/dev/null
+    vols_left=$(docker volume ls -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+    [ -z "$vols_left" ] || docker volume rm $vols_left >/dev/null
+fi
 
 # 2. Base image: Debian bookworm + python3, debootstrapped (the Dockerfiles default to the public images) --
 stage "base image $BASE_TAG"
