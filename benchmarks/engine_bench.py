@@ -8,7 +8,8 @@ Ceilings (service/engine/roofline.py, measured in the same run): fp32 GEMM rate 
 fp32 GEMV over a matrix of >= 4x the last-level cache), each the best of --runs.
 Ratios: decode roofline = bytes a step must read (weights + KV) / bandwidth; prefill = achieved GFLOP/s / GEMM.
 The report names our kernel path (BACKEND.name) and, with --llama-python, llama.cpp's system_info.
-Where the time goes: one extra run with every named kernel of the runner wrapped in a timer.
+Where the time goes: one extra run with every named kernel of the runner wrapped in a timer (the Python loop: the
+compiled all-decode call, kernels/decode_step.py, has no kernel to wrap, so its decode shares are the loop's).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class KernelTimer:
 
     def __enter__(self) -> KernelTimer:
         lm_head = self.runner.lm_head
+        # the kernel-by-kernel loop: the compiled all-decode call (kernels/decode_step.py) has no kernel to wrap
+        self._fused, self.runner.decode_layers = self.runner.decode_layers, None
         kernels = {
             "linear": lambda x, w: "LM head" if w is lm_head else "matmuls",
             "rms_normalize": lambda *a: "norms/RoPE/SiLU",
@@ -93,6 +96,7 @@ class KernelTimer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.runner.decode_layers = self._fused
         for name, fn in self._saved.items():
             setattr(numpy_runner, name, fn)
         for method in ("_attention", "_write_kv"):
@@ -266,7 +270,8 @@ def _report(args, runs, peer, gemm, bandwidth, prompt, short) -> list[str]:
         ]  # fmt: skip
     else:
         lines += ["", "llama.cpp: not measured in this run (llama-cpp-python is not installed here; --llama-python)."]
-    lines += ["", "Where the time goes (share of the step, one instrumented run each):", "",
+    lines += ["", "Where the time goes (share of the step, one instrumented run each, kernel by kernel: the Python loop, not the"
+              " compiled all-decode call):", "",
               "| Part | " + " | ".join(f"{r.label} prefill | {r.label} decode" for r in runs) + " |",
               "|---|" + "---|---|" * len(runs)]  # fmt: skip
     shares = [(breakdown(r.runner, lambda r=r: prefill_once(r.runner, prompt)),

@@ -20,6 +20,7 @@ from build_engine.spec import EngineConfig, load_engine_config
 from build_engine.tensor_io import SafetensorsFile
 from service.engine.kernels.attention import paged_causal_attention
 from service.engine.kernels.backend import BACKEND
+from service.engine.kernels.decode_step import DecodeLayers
 from service.engine.kernels.kv_cache import DEFAULT_KV_CACHE_DTYPE, KVCache, kv_format
 from service.engine.kernels.ops import (
     apply_rope,
@@ -75,7 +76,10 @@ class NumpyRunner:
     decode_attention: "c", "numba" (DecodeAttention) or "numpy" (gathered blocks, attention.py); the
     process's choice (kernels/backend.py) unless a test asks for another. The numba kernel reads float32 only:
     with another kv_cache_dtype and no extension, decode attention gathers (numpy).
-    kv_cache_dtype: the KV cache's stored type (kernels/kv_cache.py)."""
+    kv_cache_dtype: the KV cache's stored type (kernels/kv_cache.py).
+    fuse_decode: run a step whose rows are all decode queries through every layer in one compiled call
+    (kernels/decode_step.py: the same kernels in the same order) where it applies; False: always the Python
+    loop (tests compare the two, the benchmarks' per-kernel breakdown times it)."""
 
     def __init__(
         self,
@@ -84,6 +88,7 @@ class NumpyRunner:
         config: EngineConfig | None = None,
         decode_attention: str = BACKEND.decode_attention,
         kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE,
+        fuse_decode: bool = True,
     ) -> None:
         self.config = config or load_engine_config(engine_dir)
         arch = self.config.arch
@@ -129,6 +134,10 @@ class NumpyRunner:
         if decode_attention == "numba" and self.kv_cache.fmt.name != "float32":
             decode_attention = "numpy"  # numba_kernels.decode_attention reads float32 only
         self.decode_attention = DecodeAttention(decode_attention) if decode_attention != "numpy" else None
+        fused = fuse_decode and DecodeLayers.applies(self.layers, decode_attention)
+        self.decode_layers = (
+            DecodeLayers(self.layers, (self.n_heads, self.n_kv_heads, self.head_dim), self.eps) if fused else None
+        )
         logger.info(
             "KV cache: %d blocks x %d tokens, %s, %.1f MiB (resident)",
             num_kv_blocks,
@@ -159,10 +168,24 @@ class NumpyRunner:
     def execute(self, batch: ForwardBatch) -> np.ndarray:
         """Forward pass over the batch; logits of batch.logits_rows, [R, V]."""
         # token_ids, positions, slot_mapping: [T]
-        T = batch.num_tokens
-        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         plan = self._plan(batch)
         x = embedding_rows(self.embed, batch.token_ids)  # [T, D] residual stream (a copy)
+        if self.decode_layers is not None and not plan.other_seqs:  # every row a decode query: one C call
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            threads = self.threads.attention_threads
+            self.decode_layers(
+                x, batch.positions, batch.slot_mapping, plan.decode_inputs, self.kv_cache, self.rope, threads
+            )
+        else:
+            self._layers(x, batch, plan)
+        last = x[batch.logits_rows]  # [R, D] the last new token of each sampled seq (every token of a verify step)
+        h = rms_normalize(last, self.eps, self.final_norm)  # [R, D]
+        return linear(h, self.lm_head)  # [R, V]
+
+    def _layers(self, x: np.ndarray, batch: ForwardBatch, plan: AttentionPlan) -> None:
+        """x [T, D] in place through every layer, kernel by kernel (what DecodeLayers does in one call)."""
+        T = batch.num_tokens
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         for layer, w in enumerate(self.layers):
             # attention block
             h = rms_normalize(x, self.eps, w.attn_norm)  # [T, D]
@@ -176,9 +199,6 @@ class NumpyRunner:
             # feed-forward block
             h = rms_normalize(x, self.eps, w.ffn_norm)  # [T, D]
             x += linear(silu_mul(linear(h, w.gate_up)), w.down)  # [T, 2F] -> [T, F] -> [T, D]
-        last = x[batch.logits_rows]  # [R, D] the last new token of each sampled seq (every token of a verify step)
-        h = rms_normalize(last, self.eps, self.final_norm)  # [R, D]
-        return linear(h, self.lm_head)  # [R, V]
 
     def _write_kv(self, layer: int, qkv: np.ndarray, slot_mapping: np.ndarray) -> None:
         # qkv: [T, H + 2KV, hd]; slot = block_id * block_size + offset in the layer's cache

@@ -7,6 +7,7 @@
  *   attention.c         causal prefill attention of one sequence (contiguous K/V, or read through a block table)
  *   decode_attention.c  one query per sequence over the paged KV cache, many sequences per call
  *   elementwise.c       RMSNorm, RoPE, SiLU x up, KV-cache writes
+ *   decode_step.c       every layer of an all-decode step in one call (the kernels above, in the runner's order)
  *   args.c, args.h      the one table-driven argument parser of the Python entry points
  *   module.c            the Python entry points (a table of argument specs each) and the module
  *
@@ -172,5 +173,27 @@ void silu_mul_rows(const float *gu, float *y, int T, int F);
  * dtype (ks, vs: [slots][KV] the int8 scales, else unused) */
 void write_kv_rows(void *k, void *v, float *ks, float *vs, const float *qkv, const int64_t *slots, int T, int H,
                    int KV, int hd, int dtype);
+
+/* ---- decode_step.c: every layer of a step whose rows are all decode queries ---- */
+typedef struct { /* a packed matrix [rows][cols] (matmul.c's layout) */
+    const uint8_t *w;
+    int kind, rows, cols;
+} qmat_t;
+typedef struct {
+    qmat_t qkv, o, gate_up, down;  /* [(H + 2 KV) hd][D], [D][H hd], [2F][D], [D][F] */
+    const float *attn_norm, *ffn_norm; /* [D] gains, or NULL */
+    float q_scale;                 /* multiplies q after the matmul; 0: none (folded into qkv) */
+} layer_w_t;
+typedef struct {
+    int L, D, H, KV, hd, F;
+    float eps;
+    const layer_w_t *layers; /* [L] */
+} model_w_t;
+/* x [T][D] in place through every layer; kv0 layer 0 of the cache, layer l kv_layer_bytes (its scales
+ * scale_layer_floats) further; row t: position pos[t], slot slots[t], lens[t] keys of tables[starts[t] ..]; the
+ * attention's threads as decode_attention's. 0, or -1 where an allocation failed */
+int decode_layers(const model_w_t *M, float *x, int T, const float *rope, int P, const int64_t *pos,
+                  const int64_t *slots, const kv_layer_t *kv0, size_t kv_layer_bytes, size_t scale_layer_floats,
+                  const int64_t *tables, const int64_t *starts, const int64_t *lens, int threads);
 
 #endif

@@ -5,6 +5,7 @@
  * Python side (the modules of kernels/) passes C-contiguous arrays and their shapes. The rest are the pool's
  * and the ISA's switches.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "args.h"
@@ -212,9 +213,10 @@ static const entry_spec DECODE_ATTENTION = {"decode_attention", 17, {
     [DA_BS] = INT("block_size", 1, 1 << 16), [DA_NB] = INT("num_blocks", 1, 1L << 40),
     [DA_THREADS] = INT("threads", 0, 1), [DA_DTYPE] = KV_DTYPE}, decode_attention_shape, decode_attention_sizes};
 
-static int check_block_tables(call_t *c) { /* every sequence's keys fit its table; then the table ids */
-    const int64_t *st = c->p[DA_STARTS], *ln = c->p[DA_LENS];
-    const long B = c->i[DA_B], bs = c->i[DA_BS];
+/* every sequence's keys fit its block table (sequence b: tables[starts[b] .. starts[b + 1]], lens[b] keys); then
+ * the table's ids */
+static int check_tables(const entry_spec *e, call_t *c, int tables, int starts, int lens, long B, long bs) {
+    const int64_t *st = c->p[starts], *ln = c->p[lens];
     if (st[0] != 0) {
         PyErr_SetString(PyExc_ValueError, "starts[0] must be 0");
         return -1;
@@ -224,14 +226,15 @@ static int check_block_tables(call_t *c) { /* every sequence's keys fit its tabl
             PyErr_Format(PyExc_ValueError, "sequence %ld: %lld keys do not fit its block table", b, (long long)ln[b]);
             return -1;
         }
-    return check_buffer(&DECODE_ATTENTION, c, DA_TABLES, (Py_ssize_t)st[B]);
+    return check_buffer(e, c, tables, (Py_ssize_t)st[B]);
 }
 
 static PyObject *py_decode_attention(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     call_t c;
     if (parse_call(&DECODE_ATTENTION, args, nargs, &c) < 0) return NULL;
-    if (check_block_tables(&c) < 0) return end_call(&c, NULL);
     const long *i = c.i;
+    if (check_tables(&DECODE_ATTENTION, &c, DA_TABLES, DA_STARTS, DA_LENS, i[DA_B], i[DA_BS]) < 0)
+        return end_call(&c, NULL);
     if (check_kv_items(&c, DA_K, DA_V, i[DA_DTYPE]) < 0) return end_call(&c, NULL);
     const kv_layer_t L = kv_layer(&c, DA_K, DA_V, DA_KS, DA_VS, i[DA_KV], i[DA_HD], i[DA_BS], i[DA_DTYPE]);
     int failed;
@@ -344,6 +347,178 @@ static PyObject *py_write_kv(PyObject *self, PyObject *const *args, Py_ssize_t n
     return end_call(&c, Py_None);
 }
 
+/* ---- decode_model(layers, D, H, KV, hd, F, eps): every layer's weights held once, for decode_layers: a capsule
+ * holding the buffers until it is freed; layers: a sequence of (qkv, qkv_kind, o, o_kind, gate_up, gate_up_kind,
+ * down, down_kind, attn_norm or None, ffn_norm or None, q_scale), matrices packed (matmul's w and kind) ---- */
+#define MODEL_CAPSULE "service.engine.kernels._kernels.decode_model"
+
+typedef struct {
+    model_w_t m;
+    layer_w_t *layers;
+    Py_buffer *bufs;
+    int nbufs;
+} model_obj;
+
+static void model_free(PyObject *capsule) {
+    model_obj *o = PyCapsule_GetPointer(capsule, MODEL_CAPSULE);
+    if (!o) return;
+    for (int k = 0; k < o->nbufs; k++) PyBuffer_Release(&o->bufs[k]);
+    free(o->bufs);
+    free(o->layers);
+    free(o);
+}
+
+static int take_matrix(model_obj *o, PyObject *arr, long kind, int rows, int cols, int l, const char *what,
+                       qmat_t *out) {
+    if (kind != KIND_Q4 && kind != KIND_Q8) {
+        PyErr_Format(PyExc_ValueError, "layer %d %s: kind %ld is not a packed kind", l, what, kind);
+        return -1;
+    }
+    Py_buffer *b = &o->bufs[o->nbufs];
+    if (PyObject_GetBuffer(arr, b, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    o->nbufs++;
+    const Py_ssize_t need = (Py_ssize_t)((rows + TR - 1) / TR) * (cols / 32) * (Py_ssize_t)quant_chunk_bytes((int)kind);
+    if (b->len != need) {
+        PyErr_Format(PyExc_ValueError, "layer %d %s: %zd bytes, a packed [%d, %d] matrix has %zd", l, what, b->len,
+                     rows, cols, need);
+        return -1;
+    }
+    *out = (qmat_t){b->buf, (int)kind, rows, cols};
+    return 0;
+}
+
+static int take_gain(model_obj *o, PyObject *arr, int D, int l, const char *what, const float **out) {
+    *out = NULL;
+    if (arr == Py_None) return 0;
+    Py_buffer *b = &o->bufs[o->nbufs];
+    if (PyObject_GetBuffer(arr, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return -1;
+    o->nbufs++;
+    if (b->itemsize != 4 || !b->format || strcmp(b->format, "f") || b->len != (Py_ssize_t)D * 4) {
+        PyErr_Format(PyExc_ValueError, "layer %d %s: must be %d float32 values", l, what, D);
+        return -1;
+    }
+    *out = b->buf;
+    return 0;
+}
+
+static PyObject *py_decode_model(PyObject *self, PyObject *args) {
+    PyObject *layers;
+    int D, H, KV, hd, F;
+    double eps;
+    if (!PyArg_ParseTuple(args, "Oiiiiid", &layers, &D, &H, &KV, &hd, &F, &eps)) return NULL;
+    if (D < 32 || H < 1 || KV < 1 || hd < 2 || F < 32 || H % KV || hd % 2 || D % 32 || (H * hd) % 32 || F % 32) {
+        PyErr_SetString(PyExc_ValueError, "decode_model: need H a multiple of KV, hd even, D, H * hd and F multiples of 32");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(layers, "decode_model: layers must be a sequence");
+    if (!seq) return NULL;
+    const Py_ssize_t L = PySequence_Fast_GET_SIZE(seq);
+    model_obj *o = calloc(1, sizeof *o);
+    if (o) o->layers = calloc(L ? L : 1, sizeof *o->layers), o->bufs = calloc(L ? 6 * L : 1, sizeof *o->bufs);
+    if (!o || !o->layers || !o->bufs) {
+        if (o) free(o->layers), free(o->bufs);
+        free(o);
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    PyObject *capsule = PyCapsule_New(o, MODEL_CAPSULE, model_free); /* frees o and every buffer taken so far */
+    if (!capsule) {
+        free(o->layers), free(o->bufs), free(o);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    for (Py_ssize_t l = 0; l < L; l++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, l), *m[4], *an, *fn;
+        long kind[4];
+        double q_scale;
+        layer_w_t *w = &o->layers[l];
+        if (!PyTuple_Check(item) || !PyArg_ParseTuple(item, "OlOlOlOlOOd", &m[0], &kind[0], &m[1], &kind[1], &m[2],
+                                                      &kind[2], &m[3], &kind[3], &an, &fn, &q_scale)) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "decode_model: layer %zd is not a tuple", l);
+            goto fail;
+        }
+        if (take_matrix(o, m[0], kind[0], (H + 2 * KV) * hd, D, (int)l, "qkv", &w->qkv) < 0 ||
+            take_matrix(o, m[1], kind[1], D, H * hd, (int)l, "o", &w->o) < 0 ||
+            take_matrix(o, m[2], kind[2], 2 * F, D, (int)l, "gate_up", &w->gate_up) < 0 ||
+            take_matrix(o, m[3], kind[3], D, F, (int)l, "down", &w->down) < 0 ||
+            take_gain(o, an, D, (int)l, "attn_norm", &w->attn_norm) < 0 ||
+            take_gain(o, fn, D, (int)l, "ffn_norm", &w->ffn_norm) < 0)
+            goto fail;
+        w->q_scale = (float)q_scale;
+    }
+    Py_DECREF(seq);
+    o->m = (model_w_t){(int)L, D, H, KV, hd, F, (float)eps, o->layers};
+    return capsule;
+fail:
+    Py_DECREF(seq);
+    Py_DECREF(capsule);
+    return NULL;
+}
+
+/* ---- decode_layers(model, x, rope, positions, slots, k, v, k_scale, v_scale, tables, starts, lens, T, P,
+ * num_blocks, block_size, dtype, threads): x [T][D] in place through every layer of a decode_model; k, v the
+ * whole cache [L][num_blocks][block_size][KV][hd] of dtype (k_scale, v_scale [L][num_blocks][block_size][KV] for
+ * int8, else [L][0]); row t at positions[t] (rope [2][P][hd/2]), its K and V into slots[t], attending to lens[t]
+ * keys of tables[starts[t]:starts[t + 1]] ---- */
+enum { DL_X, DL_ROPE, DL_POS, DL_SLOTS, DL_K, DL_V, DL_KS, DL_VS, DL_TABLES, DL_STARTS, DL_LENS, DL_T, DL_P, DL_NB,
+       DL_BS, DL_DT, DL_THREADS };
+
+static void decode_layers_sizes(const long *i, Py_ssize_t *n) { /* the rest need the model: checked after */
+    n[DL_X] = n[DL_ROPE] = n[DL_SLOTS] = n[DL_K] = n[DL_V] = n[DL_KS] = n[DL_VS] = n[DL_TABLES] = NOT_SIZED;
+    n[DL_POS] = n[DL_LENS] = i[DL_T];
+    n[DL_STARTS] = i[DL_T] + 1;
+}
+
+static const entry_spec DECODE_LAYERS = {"decode_layers", 17, {
+    [DL_X] = F32_OUT("x"), [DL_ROPE] = F32("rope"), [DL_POS] = IDS("positions", DL_P, "position"),
+    [DL_SLOTS] = I64("slots"), [DL_K] = {"k", ARG_BYTES_OUT, 0, 0, 0, NULL}, [DL_V] = {"v", ARG_BYTES_OUT, 0, 0, 0, NULL},
+    [DL_KS] = F32_OUT("k_scale"), [DL_VS] = F32_OUT("v_scale"), [DL_TABLES] = IDS("tables", DL_NB, "block id"),
+    [DL_STARTS] = I64("starts"), [DL_LENS] = I64("lens"), [DL_T] = INT("T", 1, 1 << 20), [DL_P] = INT("P", 1, 1L << 30),
+    [DL_NB] = INT("num_blocks", 1, 1L << 40), [DL_BS] = INT("block_size", 1, 1 << 16), [DL_DT] = KV_DTYPE,
+    [DL_THREADS] = INT("threads", 0, 1)}, NULL, decode_layers_sizes};
+
+static int exact_bytes(call_t *c, int k, Py_ssize_t need, const char *what) { /* a whole-cache array's layout */
+    if (c->b[k].len == need) return 0;
+    PyErr_Format(PyExc_ValueError, "decode_layers: %s has %zd bytes, the model's cache %zd", what, c->b[k].len, need);
+    return -1;
+}
+
+static PyObject *py_decode_layers(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1) return PyErr_Format(PyExc_TypeError, "decode_layers(model, ...) takes the model first");
+    if (!PyCapsule_IsValid(args[0], MODEL_CAPSULE))
+        return PyErr_Format(PyExc_TypeError, "decode_layers: model must be what decode_model() returned");
+    const model_obj *o = PyCapsule_GetPointer(args[0], MODEL_CAPSULE);
+    call_t c;
+    if (parse_call(&DECODE_LAYERS, args + 1, nargs - 1, &c) < 0) return NULL;
+    const model_w_t *M = &o->m;
+    const long *i = c.i, T = i[DL_T], nslots = i[DL_NB] * i[DL_BS];
+    const Py_ssize_t layer_bytes = kv_bytes(i[DL_NB], i[DL_BS], M->KV, M->hd, i[DL_DT]);
+    const Py_ssize_t layer_scales = kv_scales(i[DL_NB], i[DL_BS], M->KV, i[DL_DT]);
+    if (check_buffer(&DECODE_LAYERS, &c, DL_X, (Py_ssize_t)T * M->D) < 0 ||
+        check_buffer(&DECODE_LAYERS, &c, DL_ROPE, (Py_ssize_t)2 * i[DL_P] * (M->hd / 2)) < 0 ||
+        check_buffer(&DECODE_LAYERS, &c, DL_SLOTS, T) < 0 || check_kv_items(&c, DL_K, DL_V, i[DL_DT]) < 0 ||
+        exact_bytes(&c, DL_K, M->L * layer_bytes, "k") < 0 || exact_bytes(&c, DL_V, M->L * layer_bytes, "v") < 0 ||
+        exact_bytes(&c, DL_KS, M->L * layer_scales * 4, "k_scale") < 0 ||
+        exact_bytes(&c, DL_VS, M->L * layer_scales * 4, "v_scale") < 0 ||
+        check_tables(&DECODE_LAYERS, &c, DL_TABLES, DL_STARTS, DL_LENS, T, i[DL_BS]) < 0)
+        return end_call(&c, NULL);
+    const int64_t *slots = c.p[DL_SLOTS];
+    for (long t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= nslots) {
+            PyErr_Format(PyExc_ValueError, "slot %lld out of range [0, %ld)", (long long)slots[t], nslots);
+            return end_call(&c, NULL);
+        }
+    const kv_layer_t kv0 = kv_layer(&c, DL_K, DL_V, DL_KS, DL_VS, M->KV, M->hd, i[DL_BS], i[DL_DT]);
+    int failed;
+    Py_BEGIN_ALLOW_THREADS;
+    failed = decode_layers(M, c.p[DL_X], (int)T, c.p[DL_ROPE], (int)i[DL_P], c.p[DL_POS], slots, &kv0,
+                           (size_t)layer_bytes, (size_t)layer_scales, c.p[DL_TABLES], c.p[DL_STARTS], c.p[DL_LENS],
+                           (int)i[DL_THREADS]);
+    Py_END_ALLOW_THREADS;
+    if (failed) return no_memory(&c);
+    return end_call(&c, Py_None);
+}
+
 /* ---- the pool's and the ISA's switches ---- */
 static PyObject *py_set_num_threads(PyObject *self, PyObject *arg) {
     long n = PyLong_AsLong(arg);
@@ -427,6 +602,11 @@ static PyMethodDef methods[] = {
     {"silu_mul", FASTCALL(py_silu_mul), "silu_mul(gate_up, out, T, F)"},
     {"write_kv", FASTCALL(py_write_kv),
      "write_kv(k_layer, v_layer, k_scale, v_scale, qkv, slots, T, H, KV, hd, nslots, dtype)"},
+    {"decode_model", py_decode_model, METH_VARARGS,
+     "decode_model(layers, D, H, KV, hd, F, eps): every layer's packed weights, held for decode_layers"},
+    {"decode_layers", FASTCALL(py_decode_layers),
+     "decode_layers(model, x, rope, positions, slots, k, v, k_scale, v_scale, tables, starts, lens, T, P, "
+     "num_blocks, block_size, dtype, threads): x through every layer of an all-decode step"},
     {"set_num_threads", py_set_num_threads, METH_O, "threads used by the kernels (including the caller)"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, ""},
     {"set_spin_us", py_set_spin_us, METH_O, "how long idle workers spin before sleeping (microseconds)"},
