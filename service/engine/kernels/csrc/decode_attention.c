@@ -57,12 +57,15 @@ AVX2_INLINE void span_avx2(const kv_layer_t *L, const size_t *at, int kvh, const
         for (int r = 0; r < R; r++) s[r][jj] = dt == KV_I8 ? hsum256(a[r]) * L->ks[at[jj]] : hsum256(a[r]);
     }
     for (int r = 0; r < R; r++) { /* softmax statistics per head; s becomes exp(s - m) */
-        float *sr = s[r], m = -INFINITY, total;
-        for (int j = 0; j < n; j++) m = fmaxf(m, sr[j]);
+        float *sr = s[r], m, total;
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        int j = 0;
+        for (; j + 8 <= n; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + j));
+        m = hmax256(mx); /* a maximum: the same value in any order */
+        for (; j < n; j++) m = fmaxf(m, sr[j]);
         const __m256 mv = _mm256_set1_ps(m);
         __m256 tv = _mm256_setzero_ps();
-        int j = 0;
-        for (; j + 8 <= n; j += 8) {
+        for (j = 0; j + 8 <= n; j += 8) {
             const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
             _mm256_storeu_ps(sr + j, e);
             tv = _mm256_add_ps(tv, e);
