@@ -19,6 +19,8 @@ static int qmatmul(const qmat_t *w, const float *x, int T, float *y) {
     return quant_matmul(w->kind, w->w, w->rows, w->cols, x, T, y, 0);
 }
 
+static size_t lines(size_t nfloats) { return (nfloats + 15) / 16 * 16; } /* floats in whole cache lines */
+
 static void add_rows(float *x, const float *y, size_t n) { /* x += y, element by element (numpy's +=) */
     for (size_t i = 0; i < n; i++) x[i] += y[i];
 }
@@ -27,10 +29,11 @@ int decode_layers(const model_w_t *M, float *x, int T, const float *rope, int P,
                   const int64_t *slots, const kv_layer_t *kv0, size_t kv_layer_bytes, size_t scale_layer_floats,
                   const int64_t *tables, const int64_t *starts, const int64_t *lens, int threads) {
     const int D = M->D, H = M->H, KV = M->KV, hd = M->hd, F = M->F, heads = H + 2 * KV;
-    const size_t nx = (size_t)T * D, nq = (size_t)T * H * hd, nqkv = (size_t)T * heads * hd;
-    float *buf = malloc((2 * nx + nqkv + 2 * nq + (size_t)T * 3 * F) * sizeof(float));
+    /* the buffers each start on a cache line (a row of D floats is whole lines when D is a multiple of 16) */
+    const size_t nx = lines(T * D), nq = lines(T * H * hd), nqkv = lines(T * heads * hd), ngu = lines(T * 2 * F);
+    float *buf = aligned_alloc(CACHE_LINE, (2 * nx + nqkv + 2 * nq + ngu + lines(T * F)) * sizeof(float));
     if (!buf) return -1;
-    float *h = buf, *y = h + nx, *qkv = y + nx, *q = qkv + nqkv, *a = q + nq, *gu = a + nq, *s = gu + (size_t)T * 2 * F;
+    float *h = buf, *y = h + nx, *qkv = y + nx, *q = qkv + nqkv, *a = q + nq, *gu = a + nq, *s = gu + ngu;
     int failed = 0;
     for (int l = 0; l < M->L && !failed; l++) {
         const layer_w_t *w = &M->layers[l];
@@ -49,13 +52,13 @@ int decode_layers(const model_w_t *M, float *x, int T, const float *rope, int P,
         for (int t = 0; t < T; t++) memcpy(q + (size_t)t * H * hd, qkv + (size_t)t * heads * hd, H * hd * sizeof(float));
         failed |= decode_attention(q, &kv, tables, starts, lens, a, T, H, threads);
         failed |= qmatmul(&w->o, a, T, y);
-        add_rows(x, y, nx);
+        add_rows(x, y, (size_t)T * D);
         /* feed-forward block */
         rmsnorm_rows(x, w->ffn_norm, M->eps, h, T, D);
         failed |= qmatmul(&w->gate_up, h, T, gu);
         silu_mul_rows(gu, s, T, F);
         failed |= qmatmul(&w->down, s, T, y);
-        add_rows(x, y, nx);
+        add_rows(x, y, (size_t)T * D);
     }
     free(buf);
     return failed ? -1 : 0;
