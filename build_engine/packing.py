@@ -66,12 +66,16 @@ class PackedMatrix:
         return self.rows * self.cols
 
 
-def _aligned_empty(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
-    """uint8 array of the given shape whose first byte is `align`-aligned (AVX loads like 32/64-byte alignment)."""
-    n = int(np.prod(shape))
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype | type = np.uint8, align: int = 64) -> np.ndarray:
+    """np.empty(shape, dtype) whose first byte is `align`-aligned (a view into a slightly larger buffer).
+
+    numpy's allocator aligns to 16 bytes, a large array 16 bytes past a page: the kernels' 64-byte loads of its
+    rows would each straddle two cache lines (the packed weights here; the runner's activations, kernels/ops.py).
+    """
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
     buf = np.empty(n + align, dtype=np.uint8)
     off = (-buf.ctypes.data) % align
-    return buf[off : off + n].reshape(shape)
+    return buf[off : off + n].view(dtype).reshape(shape)
 
 
 def _split_raw(raw: np.ndarray, fmt: str, cols: int | None) -> tuple[np.ndarray, int]:
@@ -97,13 +101,13 @@ def pack_blocks(raw: np.ndarray, fmt: str, cols: int | None = None) -> PackedMat
     # [n_tiles, 32 rows, nblk, bb] -> per (tile, blk): fields transposed to [field bytes][32 rows]
     t = blocks.reshape(n_tiles, TILE_ROWS, nblk, blocks.shape[2]).transpose(0, 2, 3, 1)  # [tiles, nblk, bb, 32]
     if fmt == "q8_0":
-        out = _aligned_empty((n_tiles, nblk, CHUNK_BYTES["q8_0"]))
+        out = aligned_empty((n_tiles, nblk, CHUNK_BYTES["q8_0"]))
         flat = out.reshape(n_tiles, nblk, 34 * TILE_ROWS)
         flat[:, :, : 32 * TILE_ROWS] = t[:, :, 2:34].reshape(n_tiles, nblk, 32 * TILE_ROWS)  # qs[32 j][32 rows]
         d16 = np.ascontiguousarray(t[:, :, 0:2].transpose(0, 1, 3, 2))  # [tiles, nblk, 32 rows, 2 bytes] fp16
         flat[:, :, 32 * TILE_ROWS :] = d16.reshape(n_tiles, nblk, 2 * TILE_ROWS)  # d[32 rows] fp16
         return PackedMatrix("q8_0", rows, cols, out, "q8_0")
-    out = _aligned_empty((n_tiles, nblk, CHUNK_BYTES["q4"]))
+    out = aligned_empty((n_tiles, nblk, CHUNK_BYTES["q4"]))
     o = out.reshape(n_tiles, nblk, 20, TILE_ROWS)
     qoff = 2 if fmt == "q4_0" else 4
     o[:, :, :16] = t[:, :, qoff : qoff + 16]  # qs[16][32 rows]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from build_engine.packing import aligned_empty
 from service.engine.kernels.backend import BACKEND
 from service.engine.kernels.kv_cache import KVLayer
 
@@ -31,7 +32,7 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, threads: int) 
     n, heads, hd = q.shape
     ctx, kv_heads, _ = k.shape
     q, k, v = (np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v))
-    out = np.empty((n, heads * hd), dtype=np.float32)  # [n, H * hd]
+    out = aligned_empty((n, heads * hd), np.float32)  # [n, H * hd]
     _C.attention(q, k, v, out, n, ctx, heads, kv_heads, hd, threads)
     return out
 
@@ -48,7 +49,7 @@ def paged_causal_attention(q: np.ndarray, kv: KVLayer, table: np.ndarray, ctx: i
     n, heads, hd = q.shape
     num_blocks, block_size, kv_heads, _ = kv.k.shape
     q = np.ascontiguousarray(q, dtype=np.float32)
-    out = np.empty((n, heads * hd), dtype=np.float32)  # [n, H * hd]
+    out = aligned_empty((n, heads * hd), np.float32)  # [n, H * hd]
     table = np.ascontiguousarray(table, dtype=np.int64)
     args = (n, ctx, heads, kv_heads, hd, block_size, num_blocks, threads, kv.fmt.code)
     _C.paged_attention(q, kv.k, kv.v, kv.k_scale, kv.v_scale, table, out, *args)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from build_engine.packing import PackedMatrix, dequantize_packed
+from build_engine.packing import PackedMatrix, aligned_empty, dequantize_packed
 from service.engine.kernels.backend import BACKEND
 
 KIND_ID = {"q4": 0, "q8_0": 1}
@@ -55,7 +55,7 @@ def matmul(x: np.ndarray, w: PackedMatrix, out: np.ndarray | None = None, path: 
     if cols != w.cols:
         raise ValueError(f"x has {cols} columns, the matrix {w.cols}")
     if out is None:
-        out = np.empty((T, w.rows), dtype=np.float32)  # [T, rows]
+        out = aligned_empty((T, w.rows), np.float32)  # [T, rows]
     if path == "blas" or (path == "auto" and T >= PREFILL_ROWS):
         np.matmul(x, dequantize_t(w), out=out)
     elif _C is not None:  # the C side checks dtype, contiguity and sizes of x and out

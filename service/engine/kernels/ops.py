@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from build_engine.packing import PackedMatrix, dequantize_rows
+from build_engine.packing import PackedMatrix, aligned_empty, dequantize_rows
 from service.engine.kernels import matmul as quant
 from service.engine.kernels.backend import BACKEND
 from service.engine.kernels.kv_cache import KVLayer, encode
@@ -28,7 +28,7 @@ def linear(x: np.ndarray, w: np.ndarray | PackedMatrix) -> np.ndarray:
     if isinstance(w, PackedMatrix):
         return quant.matmul(x, w)
     if 1 < x.shape[0] <= SMALL_BATCH_GEMV_ROWS:
-        out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)  # [T, out]
+        out = aligned_empty((x.shape[0], w.shape[0]), np.float32)  # [T, out]
         for i in range(x.shape[0]):
             np.matmul(x[i], w.T, out=out[i])
         return out
@@ -40,7 +40,7 @@ def rms_normalize(x: np.ndarray, eps: float, gain: np.ndarray | None = None) -> 
     # x: [T, D]
     if _C is not None:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        out = np.empty_like(x)  # [T, D]
+        out = aligned_empty(x.shape, np.float32)  # [T, D]
         _C.rmsnorm(x, gain, eps, out, x.shape[0], x.shape[1])
         return out
     ms = np.einsum("td,td->t", x, x) / np.float32(x.shape[1])  # [T]
@@ -110,7 +110,7 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     f = gate_up.shape[1] // 2
     if _C is not None:  # g / (1 + exp(-g)) with exp's argument clamped: no overflow either
         gate_up = np.ascontiguousarray(gate_up, dtype=np.float32)
-        out = np.empty((gate_up.shape[0], f), dtype=np.float32)  # [T, F]
+        out = aligned_empty((gate_up.shape[0], f), np.float32)  # [T, F]
         _C.silu_mul(gate_up, out, gate_up.shape[0], f)
         return out
     gate, up = gate_up[:, :f], gate_up[:, f:]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from build_engine.packing import aligned_empty
 from service.engine.kernels.backend import BACKEND
 from service.engine.kernels.kv_cache import KVLayer
 
@@ -45,7 +46,7 @@ class DecodeAttention:
         pool (C only)."""
         tables, starts, lens = prepared
         q = np.ascontiguousarray(q)
-        out = np.empty_like(q)  # [B, H, hd]
+        out = aligned_empty(q.shape, np.float32)  # [B, H, hd]
         if self.kind == "c":
             B, H, hd = q.shape
             nb, bs, n_kv, _ = kv.k.shape
