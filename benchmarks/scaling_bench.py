@@ -6,7 +6,7 @@
   per step), time to the first token of one request;
 - TPOT against context length (128 .. 4096) at batch 1 and 16: the model runner's decode step over B sequences
   whose KV already holds `context` tokens each (random values: the time does not depend on them; median of 8
-  steps);
+  steps after 2 untimed ones);
 against the fp32 GEMM rate (prefill) and the bandwidth roofline of the bytes a step reads (decode), both ceilings
 measured in the same run (service/engine/roofline.py: best of 3; the read is a GEMV over >= 4x the last-level cache).
 Plots: docs/img/scaling/. Engines need max_seq_len >= the longest length (build with --max-seq-len 8192).
@@ -41,6 +41,7 @@ from service.request import GenerateRequest, SamplingParams
 IMG = DOC.parent / "img" / "scaling"
 LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 BATCHES = (1, 16)
+WARMUP_STEPS = 2  # decode steps run before the timed ones at each context
 
 
 def prefill_curve(engine: str, lengths: tuple[int, ...], runs: int) -> dict[int, float]:
@@ -65,7 +66,7 @@ def decode_curve(engine: str, contexts: tuple[int, ...], batch: int, steps: int 
     """Context length -> seconds per decode step of `batch` sequences with that much KV each."""
     cfg = load_engine_config(engine)
     bs = cfg.limits.kv_block_size
-    per_seq = -(-(max(contexts) + steps) // bs)
+    per_seq = -(-(max(contexts) + WARMUP_STEPS + steps) // bs)
     runner = NumpyRunner(engine, num_kv_blocks=batch * per_seq, config=cfg)
     rng = np.random.default_rng(1)
     # The KV arrays hold random values, not a prefill's: a step's time does not depend on them, and prefilling
@@ -77,12 +78,12 @@ def decode_curve(engine: str, contexts: tuple[int, ...], batch: int, steps: int 
     out = {}
     for ctx in contexts:
         times = []
-        for s in range(steps):
+        for s in range(WARMUP_STEPS + steps):  # the first steps at a context, untimed: caches, pages, the pool
             chunks = [SeqChunk([int(rng.integers(100, 1000))], ctx + s, t) for t in tables]
             start = time.perf_counter()
             runner.execute(ForwardBatch.from_chunks(chunks, bs))
             times.append(time.perf_counter() - start)
-        out[ctx] = statistics.median(times)
+        out[ctx] = statistics.median(times[WARMUP_STEPS:])
     return out
 
 
