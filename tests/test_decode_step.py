@@ -112,3 +112,13 @@ def test_entry_points_refuse_bad_arguments(smollm2_engine_dir: Path) -> None:
     arch = r.config.arch
     with pytest.raises(ValueError, match="layer 0 down"):
         ext.decode_model([spec], D, r.n_heads, r.n_kv_heads, r.head_dim, arch.intermediate_size, 1e-5)
+
+
+def test_the_python_loop_where_the_compiled_step_does_not_apply(
+    smollm2_engine_dir: Path, tiny_engine_dir: Path
+) -> None:
+    tiny = NumpyRunner(tiny_engine_dir, 8)  # a float32 engine: BLAS matmuls
+    assert not tiny.packed and tiny.decode_layers is None
+    if BACKEND.numba is not None:  # the numba decode attention: not the extension's
+        assert NumpyRunner(smollm2_engine_dir, 8, decode_attention="numba").decode_layers is None
+    assert NumpyRunner(smollm2_engine_dir, 8, fuse_decode=False).decode_layers is None

@@ -30,8 +30,9 @@ int decode_layers(const model_w_t *M, float *x, int T, const float *rope, int P,
                   const int64_t *tables, const int64_t *starts, const int64_t *lens, int threads) {
     const int D = M->D, H = M->H, KV = M->KV, hd = M->hd, F = M->F, heads = H + 2 * KV;
     /* the buffers each start on a cache line (a row of D floats is whole lines when D is a multiple of 16) */
-    const size_t nx = lines(T * D), nq = lines(T * H * hd), nqkv = lines(T * heads * hd), ngu = lines(T * 2 * F);
-    float *buf = aligned_alloc(CACHE_LINE, (2 * nx + nqkv + 2 * nq + ngu + lines(T * F)) * sizeof(float));
+    const size_t n = (size_t)T, nx = lines(n * D), nq = lines(n * H * hd), nqkv = lines(n * heads * hd);
+    const size_t ngu = lines(n * 2 * F);
+    float *buf = aligned_alloc(CACHE_LINE, (2 * nx + nqkv + 2 * nq + ngu + lines(n * F)) * sizeof(float));
     if (!buf) return -1;
     float *h = buf, *y = h + nx, *qkv = y + nx, *q = qkv + nqkv, *a = q + nq, *gu = a + nq, *s = gu + ngu;
     int failed = 0;
