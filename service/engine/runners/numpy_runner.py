@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from build_engine import spec
-from build_engine.packing import PackedMatrix, from_stored
+from build_engine.packing import PackedMatrix, aligned_empty, from_stored
 from build_engine.spec import EngineConfig, load_engine_config
 from build_engine.tensor_io import SafetensorsFile
 from service.engine.kernels.attention import paged_causal_attention
@@ -225,7 +225,7 @@ class NumpyRunner:
         if not plan.other_seqs:  # every row is a decode query, in order (decodes, verify steps, short chunks)
             out = self.decode_attention(q, kv, plan.decode_inputs, threads)
             return out.reshape(batch.num_tokens, -1)
-        out = np.empty((batch.num_tokens, self.n_heads * self.head_dim), dtype=np.float32)
+        out = aligned_empty((batch.num_tokens, self.n_heads * self.head_dim), np.float32)  # [T, H * hd]
         if plan.decode_seqs:
             rows = plan.decode_tokens
             decoded = self.decode_attention(q[rows], kv, plan.decode_inputs, threads)
