@@ -41,6 +41,9 @@ fail() {
 }
 ok() { echo "  ok: $*"; }
 
+project() { docker "$1" ls -q ${2:-} --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME"; } # KIND [-a]
+leftovers() { project container -a; project volume; project network; } # what Docker holds of this project
+
 cleanup() {
     local rc=$?
     set +e
@@ -54,9 +57,7 @@ cleanup() {
         stage "teardown: docker-compose down -v (logs: $WORK/compose.log)"
         COMPOSE_PROFILES=loadtest,scale,monitoring,gateway compose logs --no-color --timestamps >"$WORK/compose.log" 2>&1
         COMPOSE_PROFILES=loadtest,scale,monitoring,gateway compose down -v --remove-orphans --timeout 60 2>&1 | tail -n 3
-        left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
-        left+=$(docker volume ls -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
-        left+=$(docker network ls -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+        left=$(leftovers)
         [ -z "$left" ] || { echo "teardown left containers/volumes/networks behind: $left" >&2; rc=1; }
     fi
     if [ -n "$DOCKERD_PID" ]; then
@@ -145,14 +146,12 @@ fi
 ok "$(PATH=/usr/bin:$PATH docker-compose version --short | sed 's/^/docker-compose /')"
 # A run killed before its teardown leaves the project behind, and dockerd restarts those containers (restart
 # policies) with their old engine volume: remove them first, or this run would test the leftovers.
-leftover=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
-leftover+=$(docker volume ls -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
-if [ -n "$leftover" ]; then
+if [ -n "$(leftovers)" ]; then
     echo "  removing what an earlier run that did not finish left behind (project $COMPOSE_PROJECT_NAME)"
     COMPOSE_PROFILES=loadtest,scale,monitoring,gateway compose down -v --remove-orphans --timeout 30 >/dev/null 2>&1
-    ids_left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+    ids_left=$(project container -a)
     [ -z "$ids_left" ] || docker rm -f $ids_left >/dev/null
-    vols_left=$(docker volume ls -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+    vols_left=$(project volume)
     [ -z "$vols_left" ] || docker volume rm $vols_left >/dev/null
 fi
 
