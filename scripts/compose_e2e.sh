@@ -233,6 +233,15 @@ ok "results.json, results.csv and $(ls "$WORK"/loadtest/plots/*.png | wc -l) plo
 
 stage "CPU stack: stop llm-service during a stream (drain)"
 DRAIN_TOKENS=512
+# The service measures the machine's ceilings once after SERVING, in a child process that faults in a buffer of
+# 4x the last-level cache: while it does, the cgroup freezer can fail ("unable to freeze"), so the freeze below
+# (before its stream starts) waits for it to report (or to log that it could not).
+ceilings_reported() { # a here-string: under pipefail, grep -q exiting early could SIGPIPE docker logs
+    grep -qE "INFO service.api.server: machine: |could not measure the machine's ceilings" \
+        <<<"$(docker logs "$(ids llm-service)" 2>&1)"
+}
+for _ in $(seq 300); do ceilings_reported && break; sleep 1; done
+ceilings_reported || fail "llm-service did not report its ceilings measurement within 300 s"
 client python -m clients.stream --target llm-service:50051 --max-tokens $DRAIN_TOKENS --ignore-eos --temperature 0 \
     --json "Write a long story about a lighthouse keeper." >"$WORK/drain.jsonl" 2>"$WORK/drain.err" &
 stream_pid=$!
