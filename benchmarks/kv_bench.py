@@ -192,15 +192,20 @@ def attention_cases(rng: np.random.Generator) -> dict:
     return cases
 
 
-class Untyped:
-    """The baseline build behind this checkout's paged_attention call (float32 caches only): the engine's prefill
-    attention run by the other build, for the end-to-end A/B."""
+class Baseline:
+    """The baseline build behind this checkout's paged_attention call: the engine's prefill attention run by the
+    other build, for the end-to-end A/B (a build from before KV types takes float32 caches only, no scales and
+    no dtype argument)."""
 
     def __init__(self, ext: ModuleType) -> None:
         self.ext = ext
+        self.typed = Attention(ext).typed
 
     def paged_attention(self, q, k, v, k_scale, v_scale, table, out, *ints) -> None:
-        self.ext.paged_attention(q, k, v, table, out, *ints[:-1])
+        if self.typed:
+            self.ext.paged_attention(q, k, v, k_scale, v_scale, table, out, *ints)
+        else:
+            self.ext.paged_attention(q, k, v, table, out, *ints[:-1])
 
     def attention(self, *a) -> None:
         self.ext.attention(*a)
@@ -214,7 +219,7 @@ def prefill_steps(engine: str, baseline: ModuleType, rounds: int, n: int = 512) 
     runner = NumpyRunner(engine, num_kv_blocks=-(-n // 16) + 1)
     prompt = np.random.default_rng(2).integers(100, 1000, n).tolist()
     batch = ForwardBatch.from_chunks([SeqChunk(prompt, 0, list(range(runner.num_kv_blocks)))], runner.block_size)
-    ours, theirs = attention._C, Untyped(baseline)
+    ours, theirs = attention._C, Baseline(baseline)
     times: tuple[list[float], list[float]] = ([], [])
     try:
         for r in range(rounds):

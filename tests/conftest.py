@@ -8,6 +8,7 @@ import pytest
 
 from build_engine.builder import build
 from build_engine.tiny import write_tiny_checkpoint
+from service.engine.kernels.backend import BACKEND
 from tests.engines import build_tiny
 from tests.trtllm_double import installed
 
@@ -40,3 +41,22 @@ def backend(request: pytest.FixtureRequest):
             yield request.param
     else:
         yield request.param
+
+
+# every kernel ISA the extension runs on this CPU, best first (AVX-512, AVX2, portable C); one "generic" entry
+# with no extension, so a test taking kernel_isa still runs (on whatever backend the process chose)
+KERNEL_ISAS = tuple(BACKEND.ext.isas()) if BACKEND.ext is not None else ("no-extension",)
+
+
+@pytest.fixture(params=KERNEL_ISAS)
+def kernel_isa(request: pytest.FixtureRequest):
+    """For the kernel-level tests that take it: the test on each ISA the CPU runs (forced dispatch, as
+    QUANT_KERNELS_ISA does), the CPU's best restored after."""
+    if BACKEND.ext is None:
+        yield request.param
+        return
+    assert BACKEND.ext.force_isa(request.param) == request.param
+    try:
+        yield request.param
+    finally:
+        BACKEND.ext.force_isa("best")

@@ -1,6 +1,7 @@
 """The compiled causal attention (service/engine/kernels/csrc/attention.c) against the numpy one it replaces.
 
-Shapes cover the AVX2 path (head_dim a multiple of 8) and the portable one (other head sizes, or forced),
+Shapes cover the AVX-512 path (head_dim a multiple of 16; 64 and 128 compiled apart), the AVX2 one (a multiple of
+8) and the portable one (other head sizes), each run on every kernel ISA the CPU has (the kernel_isa fixture),
 GQA groups of 1 to 6 query heads per KV head, a first prefill chunk (n == ctx) and later ones (n < ctx), one
 thread and the pool. The paged-runner tests (test_paged_runner, test_quantized) run it inside whole models.
 """
@@ -30,16 +31,9 @@ SHAPES = [  # n, ctx, heads, kv_heads, head_dim
 ]
 
 
-@pytest.fixture(params=[False, True], ids=["native-isa", "portable"])
-def isa(request: pytest.FixtureRequest):
-    BACKEND.ext.force_generic(request.param)
-    yield
-    BACKEND.ext.force_generic(False)
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}-ctx{}-h{}-kv{}-hd{}".format(*s))
 @pytest.mark.parametrize("threads", [1, 0], ids=["1-thread", "pool"])
-def test_compiled_attention_equals_numpy(shape: tuple, threads: int, isa) -> None:
+def test_compiled_attention_equals_numpy(shape: tuple, threads: int, kernel_isa) -> None:
     n, ctx, heads, kv_heads, hd = shape
     rng = np.random.default_rng(n * 1000 + ctx)
     q = rng.standard_normal((n, heads, hd), dtype=np.float32) / np.float32(np.sqrt(hd))
@@ -59,7 +53,7 @@ def float32_layer(k: np.ndarray, v: np.ndarray) -> KVLayer:
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}-ctx{}-h{}-kv{}-hd{}".format(*s))
 @pytest.mark.parametrize("threads", [1, 0], ids=["1-thread", "pool"])
-def test_paged_attention_reads_the_blocks_in_place(shape: tuple, threads: int, isa) -> None:
+def test_paged_attention_reads_the_blocks_in_place(shape: tuple, threads: int, kernel_isa) -> None:
     """The same attention read through a block table from a paged cache (scattered blocks, a partial last one):
     bitwise the contiguous kernel's result."""
     n, ctx, heads, kv_heads, hd = shape

@@ -2,8 +2,8 @@
 
 Decode attention (csrc/decode_attention.c) alone vs in a batch of 16 sequences of other lengths, at contexts
 long enough for its key spans to run as separate tasks (3000 keys), whatever the pool's size; a prefill row
-(csrc/attention.c, paged and contiguous) vs the decode call for the same position; every KV stored type; the
-AVX2 path and the portable one (force_generic). The numba decode kernel (the fallback) alone vs in a batch.
+(csrc/attention.c, paged and contiguous) vs the decode call for the same position; every KV stored type; every
+kernel ISA the CPU runs (AVX-512, AVX2, portable C: the kernel_isa fixture, forced dispatch). The numba decode kernel (the fallback) alone vs in a batch.
 Equality is np.array_equal, never allclose.
 """
 
@@ -22,13 +22,6 @@ needs_ext = pytest.mark.skipif(BACKEND.ext is None, reason="the compiled kernels
 H, KV, HD, BS = 9, 3, 64, 16  # SmolLM2's heads
 LENS = [3000, 1, 17, 255, 256, 257, 511, 1024, 1500, 2999, 40, 700, 2048, 90, 1300, 600]  # a batch of 16
 NUM_BLOCKS = sum(-(-n // BS) for n in LENS) + 8
-
-
-@pytest.fixture(params=[False, True], ids=["native-isa", "portable"])
-def isa(request: pytest.FixtureRequest):
-    BACKEND.ext.force_generic(request.param)
-    yield
-    BACKEND.ext.force_generic(False)
 
 
 def filled_cache(dtype: str, seed: int = 0) -> tuple[KVLayer, list[np.ndarray]]:
@@ -61,7 +54,7 @@ def queries(n: int, seed: int = 1) -> np.ndarray:
 @needs_ext
 @pytest.mark.parametrize("dtype", list(KV_FORMATS))
 @pytest.mark.parametrize("threads", [0, 1], ids=["pool", "1-thread"])
-def test_decode_row_is_the_same_alone_and_in_a_batch_of_16(dtype: str, threads: int, isa) -> None:
+def test_decode_row_is_the_same_alone_and_in_a_batch_of_16(dtype: str, threads: int, kernel_isa) -> None:
     kv, tables = filled_cache(dtype)
     q = queries(len(LENS))
     batch = decode(kv, q, tables, LENS, threads)
@@ -94,7 +87,7 @@ def test_decode_does_not_depend_on_the_pool_size() -> None:
 @pytest.mark.parametrize("dtype", list(KV_FORMATS))
 @pytest.mark.parametrize("threads", [0, 1], ids=["pool", "1-thread"])
 @pytest.mark.parametrize("rows", [(2960, 3000), (0, 40), (200, 300), (250, 262)], ids=str)
-def test_prefill_row_equals_the_decode_call_for_its_position(dtype: str, threads: int, rows: tuple, isa) -> None:
+def test_prefill_row_equals_the_decode_call_for_its_position(dtype: str, threads: int, rows: tuple, kernel_isa) -> None:
     """A chunk of queries at positions rows[0] .. rows[1] - 1 of sequence 0 (3000 keys): row i of the paged
     prefill kernel is bitwise the decode kernel's output for a query at that position (keys 0 .. position)."""
     kv, tables = filled_cache(dtype)
@@ -112,7 +105,7 @@ def test_prefill_row_equals_the_decode_call_for_its_position(dtype: str, threads
 
 
 @needs_ext
-def test_contiguous_prefill_equals_the_paged_one_and_decode(isa) -> None:
+def test_contiguous_prefill_equals_the_paged_one_and_decode(kernel_isa) -> None:
     kv, tables = filled_cache("float32")
     k, v = kv.dense(tables[0], 600)  # [600, KV, HD]
     q = queries(20, seed=5)

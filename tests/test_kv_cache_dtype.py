@@ -29,13 +29,6 @@ needs_ext = pytest.mark.skipif(BACKEND.ext is None, reason="the compiled kernels
 H, KV, HD, BS, NB = 4, 2, 32, 8, 12
 
 
-@pytest.fixture(params=[False, True], ids=["native-isa", "portable"])
-def isa(request: pytest.FixtureRequest):
-    BACKEND.ext.force_generic(request.param)
-    yield
-    BACKEND.ext.force_generic(False)
-
-
 def awkward_rows(rng: np.random.Generator, T: int) -> np.ndarray:
     """qkv [T, H + 2 KV, HD]: normal values, and the conversions' edge cases (halfway points, float16's
     subnormals and overflow, an all-zero head)."""
@@ -50,7 +43,7 @@ def awkward_rows(rng: np.random.Generator, T: int) -> np.ndarray:
 
 @needs_ext
 @pytest.mark.parametrize("dtype", KV_CACHE_DTYPES)
-def test_write_kv_converts_as_encode(dtype: str, isa) -> None:
+def test_write_kv_converts_as_encode(dtype: str, kernel_isa) -> None:
     rng = np.random.default_rng(5)
     cache = KVCache(1, NB, BS, KV, HD, dtype)
     kv = cache.layer(0)
@@ -94,7 +87,7 @@ def _reference(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
 @needs_ext
 @pytest.mark.parametrize("dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("threads", [0, 1], ids=["pool", "1-thread"])
-def test_attention_reads_the_stored_type(dtype: str, threads: int, isa) -> None:
+def test_attention_reads_the_stored_type(dtype: str, threads: int, kernel_isa) -> None:
     """Decode and prefill attention over a float16 / bfloat16 / int8 cache equal float64 attention over the
     values the cache holds (widened): the kernels read the stored type, they do not approximate it further."""
     rng = np.random.default_rng(9)

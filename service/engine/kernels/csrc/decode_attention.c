@@ -119,6 +119,178 @@ AVX2_FN __attribute__((noinline)) static void attn_span_avx2(const kv_layer_t *L
     }
 }
 
+/* ---- AVX-512 (hd a multiple of 16): keys 16 at a time ----
+ * A key's score is its q . k as 16 lane sums (an fma chain over the hd / 16 registers of the row), then those
+ * lanes added by one fixed tree (reduce16: lane l + lane l+2 within each 128-bit lane, then the two halves, then
+ * 128-bit lanes 0+1 and 2+3, then the two pairs), the tree taking 16 keys' vectors together so each key costs
+ * about 2 shuffles instead of a horizontal sum of its own. The tree's order is the same for every key whatever
+ * its place among the 16 and whatever the other keys are, so a key's score is a function of q and k alone (the
+ * span's batch invariance, as on the AVX2 path; the two paths round differently). Keys of a span are grouped in
+ * 16s from the span's first key, which sits at a fixed position (a multiple of ATTN_SPAN). */
+AVX512_INLINE __m512 load16kv(const char *p, const int dt) { /* 16 stored values widened to float32 */
+    switch (dt) {
+    case KV_F16: return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    case KV_BF16: return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    case KV_I8: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    default: return _mm512_loadu_ps((const float *)p);
+    }
+}
+
+AVX512_INLINE __m512 exp512(__m512 x) { /* exp256's polynomial and clamp, 16 lanes */
+    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447504f);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* out lane j = the sum of p[j]'s 16 lanes, for j = 0..15, by the fixed tree above */
+AVX512_INLINE __m512 reduce16(const __m512 *p) {
+    __m512 t[8], u[4], v[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of keys a = 2i, b = 2i+1 */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]), _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: keys 4i .. 4i+3, each lane's four values summed */
+        const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++) /* [keys 8i..8i+3 lanes 0+1, the same keys lanes 2+3, keys 8i+4.. lanes 0+1, 2+3] */
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(v[0], v[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+AVX512_INLINE float hmax512(__m512 v) { return _mm512_reduce_max_ps(v); } /* a maximum: any order */
+
+/* scores, softmax statistics, then P V with up to 4 registers of dimensions (64) at a time over the keys */
+static const float kzero[256] __attribute__((aligned(64))); /* a key row of zeros (hd <= 256) */
+
+AVX512_INLINE void span_avx512(const kv_layer_t *L, const size_t *at, const float *q, const int R, const int dt,
+                               const int HD, int n, float *pm, float *po) {
+    const int hd = HD ? HD : L->hd, nz = hd / 16; /* HD: a compile-time head size (64, 128), or 0: L->hd */
+    const size_t isz = dt == KV_F32 ? 4 : dt == KV_I8 ? 1 : 2, row = hd * isz;
+    const char *kbase = L->k, *vbase = L->v;
+    float s[4][ATTN_SPAN] __attribute__((aligned(64)));
+    float kw[16 * 256] __attribute__((aligned(64))); /* a group's K rows widened (stored types other than f32) */
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        const int nk = n - j0 < 16 ? n - j0 : 16;
+        for (int jj = 0; jj < nk; jj++) { /* this group's V rows toward L2 for the second pass, the next K rows */
+            for (size_t b = 0; b < row; b += 64) _mm_prefetch(vbase + at[j0 + jj] * row + b, _MM_HINT_T1);
+            if (j0 + 16 + jj < n)
+                for (size_t b = 0; b < row; b += 64) _mm_prefetch(kbase + at[j0 + 16 + jj] * row + b, _MM_HINT_T0);
+        }
+        const float *krow[16];
+        for (int jj = 0; jj < nk; jj++) {
+            const char *kj = kbase + at[j0 + jj] * row;
+            if (dt == KV_F32) {
+                krow[jj] = (const float *)kj;
+            } else {
+                float *w = kw + jj * hd;
+                for (int c = 0; c < nz; c++) _mm512_store_ps(w + 16 * c, load16kv(kj + 16 * c * isz, dt));
+                krow[jj] = w;
+            }
+        }
+        __m512 ks = _mm512_set1_ps(1.0f);
+        if (dt == KV_I8) {
+            float sc[16] __attribute__((aligned(64))) = {0};
+            for (int jj = 0; jj < nk; jj++) sc[jj] = L->ks[at[j0 + jj]];
+            ks = _mm512_load_ps(sc);
+        }
+        for (int jj = nk; jj < 16; jj++) krow[jj] = kzero; /* past the span's end: scores of zero, unused */
+        for (int r = 0; r < R; r++) { /* 16 independent chains (one per key), each in dimension order */
+            const float *qr = q + r * hd;
+            __m512 p[16];
+            const __m512 q0 = _mm512_loadu_ps(qr);
+            for (int jj = 0; jj < 16; jj++) p[jj] = _mm512_mul_ps(q0, _mm512_loadu_ps(krow[jj]));
+            for (int c = 1; c < nz; c++) {
+                const __m512 qc = _mm512_loadu_ps(qr + 16 * c);
+                for (int jj = 0; jj < 16; jj++) p[jj] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(krow[jj] + 16 * c), p[jj]);
+            }
+            __m512 sc = reduce16(p);
+            if (dt == KV_I8) sc = _mm512_mul_ps(sc, ks);
+            _mm512_store_ps(s[r] + j0, sc);
+        }
+    }
+    const __mmask16 tail = (__mmask16)((1u << (n % 16)) - 1); /* the last group's valid keys (n % 16 != 0) */
+    for (int r = 0; r < R; r++) { /* softmax statistics per head; s becomes exp(s - m) */
+        float *sr = s[r];
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        int j = 0;
+        for (; j + 16 <= n; j += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(sr + j));
+        if (j < n) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_load_ps(sr + j));
+        const float m = hmax512(mx);
+        const __m512 mv = _mm512_set1_ps(m);
+        __m512 tv = _mm512_setzero_ps();
+        for (j = 0; j + 16 <= n; j += 16) {
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(sr + j), mv));
+            _mm512_store_ps(sr + j, e);
+            tv = _mm512_add_ps(tv, e);
+        }
+        if (j < n) {
+            const __m512 e = _mm512_maskz_mov_ps(tail, exp512(_mm512_sub_ps(_mm512_load_ps(sr + j), mv)));
+            _mm512_store_ps(sr + j, e);
+            tv = _mm512_add_ps(tv, e);
+        }
+        pm[r * 2] = m;
+        pm[r * 2 + 1] = _mm512_reduce_add_ps(tv);
+    }
+    for (int c0 = 0; c0 < nz; c0 += 4) { /* P V: up to 64 dimensions in registers over the keys */
+        const int nc = nz - c0 < 4 ? nz - c0 : 4;
+        __m512 o[4][4];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < 4; c++) o[r][c] = _mm512_setzero_ps();
+        for (int jj = 0; jj < n; jj++) {
+            const char *vj = vbase + at[jj] * row + 16 * c0 * isz;
+            if (jj + 4 < n)
+                for (size_t b = 0; b < row; b += 64) _mm_prefetch(vbase + at[jj + 4] * row + b, _MM_HINT_T0);
+            __m512 v[4];
+            for (int c = 0; c < 4; c++) v[c] = c < nc ? load16kv(vj + 16 * c * isz, dt) : _mm512_setzero_ps();
+            const float vsc = dt == KV_I8 ? L->vs[at[jj]] : 1.0f;
+            for (int r = 0; r < R; r++) {
+                const __m512 pv = _mm512_set1_ps(dt == KV_I8 ? s[r][jj] * vsc : s[r][jj]);
+                for (int c = 0; c < 4; c++)
+                    if (c < nc) o[r][c] = _mm512_fmadd_ps(pv, v[c], o[r][c]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < nc; c++) _mm512_storeu_ps(po + r * hd + 16 * (c0 + c), o[r][c]);
+    }
+}
+
+#define SPAN512_DT(R, dt)                                                   \
+    switch (L->hd) {                                                        \
+    case 64: span_avx512(L, at, q, R, dt, 64, n, pm, po); break;            \
+    case 128: span_avx512(L, at, q, R, dt, 128, n, pm, po); break;          \
+    default: span_avx512(L, at, q, R, dt, 0, n, pm, po); break;             \
+    }
+#define SPAN512_R(dt)                          \
+    switch (R) {                               \
+    case 1: SPAN512_DT(1, dt); break;          \
+    case 2: SPAN512_DT(2, dt); break;          \
+    case 3: SPAN512_DT(3, dt); break;          \
+    default: SPAN512_DT(4, dt); break;         \
+    }
+
+AVX512_FN __attribute__((noinline)) static void attn_span_avx512(const kv_layer_t *L, const size_t *at, const float *q,
+                                                                 int R, int n, float *pm, float *po) {
+    switch (L->dtype) {
+    case KV_F16: SPAN512_R(KV_F16); break;
+    case KV_BF16: SPAN512_R(KV_BF16); break;
+    case KV_I8: SPAN512_R(KV_I8); break;
+    default: SPAN512_R(KV_F32); break;
+    }
+}
+
 /* ---- portable C: one head at a time, sums in key and dimension order ---- */
 static float f16_value(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -184,7 +356,8 @@ void attn_span(const kv_layer_t *L, const int64_t *table, int kvh, const float *
         at[jj] = ((size_t)table[blk] * bs + off) * L->KV + kvh;
         if (++off == bs) off = 0, blk++;
     }
-    if (span_avx2_ok(L)) attn_span_avx2(L, at, kvh, q, R, n, pm, po);
+    if (g_avx512 && L->hd % 16 == 0 && L->hd <= 256) attn_span_avx512(L, at, q, R, n, pm, po);
+    else if (span_avx2_ok(L)) attn_span_avx2(L, at, kvh, q, R, n, pm, po);
     else span_generic(L, at, q, R, n, pm, po);
 }
 
