@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import pytest
 
-from build_engine.packing import PackedMatrix, dequantize_packed, pack_blocks
+from build_engine.packing import PackedMatrix, aligned_empty, dequantize_packed, pack_blocks
 from service.engine.kernels import matmul as kernels
 from service.engine.kernels.backend import BACKEND
 from service.engine.runners.base import ForwardBatch, SeqChunk
@@ -75,6 +75,26 @@ def test_matmul_rows_are_batch_invariant(isa: str, fmt: str, rows: int, cols: in
             assert np.array_equal(got, full[:n]), (isa, fmt, n, path)
     for i in (0, 11, ROWS - 1):  # a row alone, from the middle and the end of the batch
         assert np.array_equal(kernels.matmul(x[i], w), full[i]), (isa, fmt, i)
+
+
+# rows a multiple of 8 (whole tiles streamed; q4_0's last tile partial, copied)
+STREAMED = [("q4_1", 96, 576), ("q4_0", 72, 576), ("q8_0", 64, 96)]
+
+
+@pytest.mark.parametrize(("fmt", "rows", "cols"), STREAMED, ids=str)
+def test_a_prefill_sized_product_is_the_same_bits_streamed_or_copied(isa: str, fmt: str, rows: int, cols: int) -> None:
+    """130 rows of x: three sweeps of the block-panel path, whose y goes out with non-temporal stores when the
+    output is aligned (aligned_empty, as the runner's) and is copied otherwise; both the rows' bits alone."""
+    w = _packed(fmt, rows, cols, seed=rows + 2)
+    x = np.random.default_rng(cols + 2).standard_normal((130, cols)).astype(np.float32)  # [130, cols]
+    streamed = kernels.matmul(x, w, out=aligned_empty((130, rows), np.float32))
+    backing = aligned_empty((130 * rows + 1,), np.float32)
+    copied = kernels.matmul(x, w, out=backing[1:].reshape(130, rows))  # 4 bytes past a cache line: not streamed
+    assert np.array_equal(streamed, copied)
+    ref = x.astype(np.float64) @ dequantize_packed(w).T.astype(np.float64)
+    assert np.abs(streamed - ref).max() / np.abs(ref).max() <= 1e-6
+    for i in (0, 47, 48, 129):  # rows of each sweep, alone
+        assert np.array_equal(kernels.matmul(x[i], w), streamed[i]), (isa, fmt, i)
 
 
 @pytest.mark.parametrize(("fmt", "rows", "cols"), MATRICES, ids=str)

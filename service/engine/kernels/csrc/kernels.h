@@ -121,6 +121,7 @@ AVX512_FN void blk_gemm_avx512(int kind, const float *P, const uint8_t *c, const
                                int nblk, int n, float *y, int ldy);
 /* out[k][0..31] (row stride ldo floats) = the tile's weights, k over the nblk * 32 columns */
 AVX2_FN void dequant_tile_avx2(int kind, const uint8_t *tile, int nblk, float *out, size_t ldo);
+AVX2_FN void copy_rows_stream_avx2(float *y, int ldy, const float *tmp, int n);
 AVX2_FN void block_sums_avx2(const float *x, int n, int ldx, int nblk, float *sx);
 
 /* ---- the KV cache's stored types (the dtype argument of the attention and KV-write entry points) ---- */

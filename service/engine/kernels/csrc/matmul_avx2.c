@@ -282,3 +282,10 @@ AVX2_FN void block_sums_avx2(const float *x, int n, int ldx, int nblk, float *sx
             sx[(size_t)i * nblk + b] = _mm_cvtss_f32(t);
         }
 }
+
+/* y[i][0..31] (row stride ldy floats, each row 32-byte aligned) = tmp[i][0..31], i < n, with non-temporal stores
+ * (the caller fences before its results are read) */
+AVX2_FN void copy_rows_stream_avx2(float *y, int ldy, const float *tmp, int n) {
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < 32; k += 8) _mm256_stream_ps(y + (size_t)i * ldy + k, _mm256_load_ps(tmp + 32 * i + k));
+}
