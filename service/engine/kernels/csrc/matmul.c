@@ -193,6 +193,9 @@ static void task_panel(void *ctx, int task) { /* block-panel (SIMD) or tile pane
                     const uint8_t *c = tile + (size_t)b * chunk;
                     float *P = W + (size_t)b * TR * TR;
                     const float *sxb = sxr ? sxr + b : NULL;
+                    if (r0 == 0) /* the block 2 KB ahead in the weight stream (16 rows of x, whole set from
+                                  * memory: 13.4 -> 12.8 ms; 4 KB and L2 hints no better) */
+                        for (size_t l = 0; l < chunk; l += 64) _mm_prefetch((const char *)c + 2048 + l, _MM_HINT_T0);
                     if (r0 == 0 && g_avx512) unpack_block_avx512(J->kind, c, P);
                     else if (r0 == 0) unpack_block_avx2(J->kind, c, P);
                     if (g_avx512) blk_gemm_avx512(J->kind, P, c, xr + 32 * b, J->ldx, sxb, J->nblk, nr, tmp, TR);
