@@ -46,7 +46,8 @@ static void task_attention(void *ctx, int task) {
             if (keys <= j0) continue;
             const size_t p = (size_t)i * S + sp;
             attn_span(A->L, A->table, kvh, A->q + ((size_t)(i0 + i) * A->H + h0) * hd, R, j0,
-                      j0 + ATTN_SPAN < keys ? j0 + ATTN_SPAN : keys, pm + p * 8, po + p * 4 * hd);
+                      j0 + ATTN_SPAN < keys ? j0 + ATTN_SPAN : keys, pm + p * 8, po + p * 4 * hd,
+                      i == 0 ? ATTN_PF_ROWS : ATTN_PF_NONE); /* the block's first row brings the span in */
         }
     }
     for (int i = 0; i < rows; i++) {

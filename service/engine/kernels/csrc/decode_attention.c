@@ -38,15 +38,17 @@ AVX2_INLINE __m256 load8(const char *p, const int dt) { /* 8 stored values widen
 /* two passes over the span's K, V (scores, then P V), each row read once for the R heads; int8: the K scale
  * multiplies the score, the V scale the probability */
 AVX2_INLINE void span_avx2(const kv_layer_t *L, const size_t *at, int kvh, const float *q, const int R,
-                           const int dt, int n, float *pm, float *po) {
+                           const int dt, int n, float *pm, float *po, const int pf) {
     const int hd = L->hd, nv = hd / 8;
     const size_t isz = dt == KV_F32 ? 4 : dt == KV_I8 ? 1 : 2, row = hd * isz;
     const char *kbase = L->k, *vbase = L->v;
     float s[4][ATTN_SPAN] __attribute__((aligned(32)));
     for (int jj = 0; jj < n; jj++) {
-        if (jj + KV_PREFETCH < n) /* K rows a few keys ahead, and this key's V row for the second pass */
-            for (size_t b = 0; b < row; b += 64) _mm_prefetch(kbase + at[jj + KV_PREFETCH] * row + b, _MM_HINT_T0);
-        for (size_t b = 0; b < row; b += 64) _mm_prefetch(vbase + at[jj] * row + b, _MM_HINT_T0);
+        /* K rows a few keys ahead, and this key's V row for the second pass (whole slots: ATTN_PF_SLOTS) */
+        const size_t ahead = pf == ATTN_PF_SLOTS ? row * L->KV : pf == ATTN_PF_ROWS ? row : 0;
+        if (jj + KV_PREFETCH < n)
+            for (size_t b = 0; b < ahead; b += 64) _mm_prefetch(kbase + at[jj + KV_PREFETCH] * row + b, _MM_HINT_T0);
+        for (size_t b = 0; b < ahead; b += 64) _mm_prefetch(vbase + at[jj] * row + b, _MM_HINT_T0);
         const char *kj = kbase + at[jj] * row;
         __m256 a[4];
         for (int r = 0; r < R; r++) a[r] = _mm256_setzero_ps();
@@ -99,7 +101,7 @@ AVX2_INLINE void span_avx2(const kv_layer_t *L, const size_t *at, int kvh, const
     }
 }
 
-#define SPAN_DT(R, dt) span_avx2(L, at, kvh, q, R, dt, n, pm, po)
+#define SPAN_DT(R, dt) span_avx2(L, at, kvh, q, R, dt, n, pm, po, pf)
 #define SPAN_R(dt)                             \
     switch (R) {                               \
     case 1: SPAN_DT(1, dt); break;             \
@@ -110,7 +112,8 @@ AVX2_INLINE void span_avx2(const kv_layer_t *L, const size_t *at, int kvh, const
 
 /* one compiled instance per (R, stored type), called by both kernels: the same instructions for a query */
 AVX2_FN __attribute__((noinline)) static void attn_span_avx2(const kv_layer_t *L, const size_t *at, int kvh,
-                                                             const float *q, int R, int n, float *pm, float *po) {
+                                                             const float *q, int R, int n, float *pm, float *po,
+                                                             int pf) {
     switch (L->dtype) {
     case KV_F16: SPAN_R(KV_F16); break;
     case KV_BF16: SPAN_R(KV_BF16); break;
@@ -176,7 +179,7 @@ AVX512_INLINE float hmax512(__m512 v) { return _mm512_reduce_max_ps(v); } /* a m
 static const float kzero[256] __attribute__((aligned(64))); /* a key row of zeros (hd <= 256) */
 
 AVX512_INLINE void span_avx512(const kv_layer_t *L, const size_t *at, const float *q, const int R, const int dt,
-                               const int HD, int n, float *pm, float *po) {
+                               const int HD, int n, float *pm, float *po, const int pf) {
     const int hd = HD ? HD : L->hd, nz = hd / 16; /* HD: a compile-time head size (64, 128), or 0: L->hd */
     const size_t isz = dt == KV_F32 ? 4 : dt == KV_I8 ? 1 : 2, row = hd * isz;
     const char *kbase = L->k, *vbase = L->v;
@@ -184,10 +187,14 @@ AVX512_INLINE void span_avx512(const kv_layer_t *L, const size_t *at, const floa
     float kw[16 * 256] __attribute__((aligned(64))); /* a group's K rows widened (stored types other than f32) */
     for (int j0 = 0; j0 < n; j0 += 16) {
         const int nk = n - j0 < 16 ? n - j0 : 16;
-        for (int jj = 0; jj < nk; jj++) { /* this group's V rows toward L2 for the second pass, the next K rows */
-            for (size_t b = 0; b < row; b += 64) _mm_prefetch(vbase + at[j0 + jj] * row + b, _MM_HINT_T1);
+        /* this group's V rows toward L2 for the second pass, the next group's K rows toward L1; ATTN_PF_SLOTS:
+         * every KV head's rows of those slots (contiguous), so the other heads' passes over the span hit the
+         * caches (one pass streaming whole slots reads faster than KV passes over a third of each) */
+        const size_t ahead = pf == ATTN_PF_SLOTS ? row * L->KV : pf == ATTN_PF_ROWS ? row : 0;
+        for (int jj = 0; jj < nk && ahead; jj++) {
+            for (size_t b = 0; b < ahead; b += 64) _mm_prefetch(vbase + at[j0 + jj] * row + b, _MM_HINT_T1);
             if (j0 + 16 + jj < n)
-                for (size_t b = 0; b < row; b += 64) _mm_prefetch(kbase + at[j0 + 16 + jj] * row + b, _MM_HINT_T0);
+                for (size_t b = 0; b < ahead; b += 64) _mm_prefetch(kbase + at[j0 + 16 + jj] * row + b, _MM_HINT_T0);
         }
         const float *krow[16];
         for (int jj = 0; jj < nk; jj++) {
@@ -251,7 +258,7 @@ AVX512_INLINE void span_avx512(const kv_layer_t *L, const size_t *at, const floa
             for (int c = 0; c < 4; c++) o[r][c] = _mm512_setzero_ps();
         for (int jj = 0; jj < n; jj++) {
             const char *vj = vbase + at[jj] * row + 16 * c0 * isz;
-            if (jj + 4 < n)
+            if (pf && jj + 4 < n)
                 for (size_t b = 0; b < row; b += 64) _mm_prefetch(vbase + at[jj + 4] * row + b, _MM_HINT_T0);
             __m512 v[4];
             for (int c = 0; c < 4; c++) v[c] = c < nc ? load16kv(vj + 16 * c * isz, dt) : _mm512_setzero_ps();
@@ -269,9 +276,9 @@ AVX512_INLINE void span_avx512(const kv_layer_t *L, const size_t *at, const floa
 
 #define SPAN512_DT(R, dt)                                                   \
     switch (L->hd) {                                                        \
-    case 64: span_avx512(L, at, q, R, dt, 64, n, pm, po); break;            \
-    case 128: span_avx512(L, at, q, R, dt, 128, n, pm, po); break;          \
-    default: span_avx512(L, at, q, R, dt, 0, n, pm, po); break;             \
+    case 64: span_avx512(L, at, q, R, dt, 64, n, pm, po, pf); break;            \
+    case 128: span_avx512(L, at, q, R, dt, 128, n, pm, po, pf); break;          \
+    default: span_avx512(L, at, q, R, dt, 0, n, pm, po, pf); break;             \
     }
 #define SPAN512_R(dt)                          \
     switch (R) {                               \
@@ -282,7 +289,7 @@ AVX512_INLINE void span_avx512(const kv_layer_t *L, const size_t *at, const floa
     }
 
 AVX512_FN __attribute__((noinline)) static void attn_span_avx512(const kv_layer_t *L, const size_t *at, const float *q,
-                                                                 int R, int n, float *pm, float *po) {
+                                                                 int R, int n, float *pm, float *po, int pf) {
     switch (L->dtype) {
     case KV_F16: SPAN512_R(KV_F16); break;
     case KV_BF16: SPAN512_R(KV_BF16); break;
@@ -349,15 +356,15 @@ static void span_generic(const kv_layer_t *L, const size_t *at, const float *q, 
 static int span_avx2_ok(const kv_layer_t *L) { return g_avx2 && L->hd % 8 == 0; }
 
 void attn_span(const kv_layer_t *L, const int64_t *table, int kvh, const float *q, int R, int j0, int j1, float *pm,
-               float *po) {
+               float *po, int pf) {
     size_t at[ATTN_SPAN]; /* each key's (slot, KV head): the block table walked once, no division per key */
     const int bs = L->bs, n = j1 - j0;
     for (int jj = 0, blk = j0 / bs, off = j0 % bs; jj < n; jj++) {
         at[jj] = ((size_t)table[blk] * bs + off) * L->KV + kvh;
         if (++off == bs) off = 0, blk++;
     }
-    if (g_avx512 && L->hd % 16 == 0 && L->hd <= 256) attn_span_avx512(L, at, q, R, n, pm, po);
-    else if (span_avx2_ok(L)) attn_span_avx2(L, at, kvh, q, R, n, pm, po);
+    if (g_avx512 && L->hd % 16 == 0 && L->hd <= 256) attn_span_avx512(L, at, q, R, n, pm, po, pf);
+    else if (span_avx2_ok(L)) attn_span_avx2(L, at, kvh, q, R, n, pm, po, pf);
     else span_generic(L, at, q, R, n, pm, po);
 }
 
@@ -399,8 +406,9 @@ static void dattn_span(const dattn_t *A, int b, int chunk, int sp) {
     const head_chunk_t hc = head_chunk(A, chunk);
     const int n = (int)A->lens[b], j0 = sp * ATTN_SPAN, j1 = j0 + ATTN_SPAN < n ? j0 + ATTN_SPAN : n;
     const size_t p = (size_t)(A->span0[b] + sp) * A->chunks + chunk;
+    const int pf = chunk == 0 && A->L->KV > 1 ? ATTN_PF_SLOTS : ATTN_PF_ROWS; /* the span's first pass: whole slots */
     attn_span(A->L, A->tables + A->starts[b], hc.kvh, A->q + ((size_t)b * A->H + hc.h0) * A->L->hd, hc.R, j0, j1,
-              A->pm + p * 8, A->po + p * 4 * A->L->hd);
+              A->pm + p * 8, A->po + p * 4 * A->L->hd, pf);
 }
 
 static void dattn_combine(const dattn_t *A, int b, int chunk) {

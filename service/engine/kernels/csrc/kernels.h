@@ -148,7 +148,13 @@ typedef struct {
 /* the R <= 4 query heads q [R][hd] of KV head kvh over keys [j0, j1) (j1 - j0 <= ATTN_SPAN) of the sequence
  * whose block ids are table: pm [r * 2] = m, [r * 2 + 1] = l; po [r * hd ..] = o */
 void attn_span(const kv_layer_t *L, const int64_t *table, int kvh, const float *q, int R, int j0, int j1, float *pm,
-               float *po);
+               float *po, int pf);
+/* attn_span's pf: what it prefetches (never what it computes): nothing (the span's keys are in cache: a prefill
+ * row after its block's first), the head's own K and V rows, or every KV head's rows of the span's slots (the
+ * first of a decode span's head chunks) */
+#define ATTN_PF_NONE 0
+#define ATTN_PF_ROWS 1
+#define ATTN_PF_SLOTS 2
 /* out [hd] = sum over S spans of exp(m_s - M) o_s / sum of exp(m_s - M) l_s (M the largest m_s), in span order;
  * span s's statistics at pm [s * pm_stride], its output at po [s * po_stride] */
 void attn_combine(const float *pm, size_t pm_stride, const float *po, size_t po_stride, int S, int hd, float *out);
