@@ -4,13 +4,33 @@
 
 #include "kernels.h"
 
+/* the sum of squares of x[0..D): 4 accumulators of 8 lanes over 32 elements at a time, added in one fixed order,
+ * then the tail in order (a row's value never depends on other rows; a scalar chain of 576 dependent adds took
+ * ~2300 cycles a row: 1-3% of a decode step) */
+AVX2_FN static float sum_squares_avx2(const float *x, int D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int i = 0;
+    for (; i + 32 <= D; i += 32) {
+        const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+        const __m256 v2 = _mm256_loadu_ps(x + i + 16), v3 = _mm256_loadu_ps(x + i + 24);
+        a0 = _mm256_fmadd_ps(v0, v0, a0);
+        a1 = _mm256_fmadd_ps(v1, v1, a1);
+        a2 = _mm256_fmadd_ps(v2, v2, a2);
+        a3 = _mm256_fmadd_ps(v3, v3, a3);
+    }
+    float ss = hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < D; i++) ss += x[i] * x[i];
+    return ss;
+}
+
 /* y[t] = x[t] / rms(x[t]) (* gain): one pass for the sum of squares, one for the scaling */
 void rmsnorm_rows(const float *x, const float *gain, float eps, float *y, int T, int D) {
     for (int t = 0; t < T; t++) {
         const float *xt = x + (size_t)t * D;
         float *yt = y + (size_t)t * D;
         float ss = 0.0f;
-        for (int i = 0; i < D; i++) ss += xt[i] * xt[i];
+        if (g_avx2) ss = sum_squares_avx2(xt, D);
+        else for (int i = 0; i < D; i++) ss += xt[i] * xt[i];
         const float inv = 1.0f / sqrtf(ss / (float)D + eps);
         if (gain) for (int i = 0; i < D; i++) yt[i] = xt[i] * inv * gain[i];
         else for (int i = 0; i < D; i++) yt[i] = xt[i] * inv;
