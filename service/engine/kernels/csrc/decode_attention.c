@@ -139,23 +139,6 @@ AVX512_INLINE __m512 load16kv(const char *p, const int dt) { /* 16 stored values
     }
 }
 
-AVX512_INLINE __m512 exp512(__m512 x) { /* exp256's polynomial and clamp, 16 lanes */
-    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447504f);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
 
 /* out lane j = the sum of p[j]'s 16 lanes, for j = 0..15, by the fixed tree above */
 AVX512_INLINE __m512 reduce16(const __m512 *p) {

@@ -24,8 +24,8 @@ AVX2_FN static float sum_squares_avx2(const float *x, int D) {
 }
 
 /* y[t] = x[t] / rms(x[t]) (* gain): one pass for the sum of squares, one for the scaling */
-void rmsnorm_rows(const float *x, const float *gain, float eps, float *y, int T, int D) {
-    for (int t = 0; t < T; t++) {
+static void rmsnorm_block(const float *x, const float *gain, float eps, float *y, int t0, int t1, int D) {
+    for (int t = t0; t < t1; t++) {
         const float *xt = x + (size_t)t * D;
         float *yt = y + (size_t)t * D;
         float ss = 0.0f;
@@ -35,6 +35,37 @@ void rmsnorm_rows(const float *x, const float *gain, float eps, float *y, int T,
         if (gain) for (int i = 0; i < D; i++) yt[i] = xt[i] * inv * gain[i];
         else for (int i = 0; i < D; i++) yt[i] = xt[i] * inv;
     }
+}
+
+/* A prefill-sized call of a row-wise op runs on the pool, ROWS_PER_TASK rows a task (each row computed alone: the
+ * same values on any number of threads); a decode step's few rows stay on the calling thread. */
+#define ROWS_POOL_MIN 64
+#define ROWS_PER_TASK 16
+typedef struct {
+    const float *x, *gain;
+    float *y;
+    float eps;
+    int T, D, op; /* op 0: rmsnorm (D = hidden), 1: silu_mul (D = F) */
+} __attribute__((aligned(CACHE_LINE))) rows_job_t; /* whole cache lines (kernels.h) */
+
+static void silu_mul_block(const float *gu, float *y, int t0, int t1, int F);
+
+static void rows_task(void *ctx, int task) {
+    const rows_job_t *J = ctx;
+    const int t0 = task * ROWS_PER_TASK, t1 = t0 + ROWS_PER_TASK < J->T ? t0 + ROWS_PER_TASK : J->T;
+    if (J->op == 0) rmsnorm_block(J->x, J->gain, J->eps, J->y, t0, t1, J->D);
+    else silu_mul_block(J->x, J->y, t0, t1, J->D);
+}
+
+static int rows_on_pool(rows_job_t *J) {
+    if (J->T < ROWS_POOL_MIN || pool_threads() < 2) return 0;
+    pool_run(rows_task, J, (J->T + ROWS_PER_TASK - 1) / ROWS_PER_TASK);
+    return 1;
+}
+
+void rmsnorm_rows(const float *x, const float *gain, float eps, float *y, int T, int D) {
+    rows_job_t J = {x, gain, y, eps, T, D, 0};
+    if (!rows_on_pool(&J)) rmsnorm_block(x, gain, eps, y, 0, T, D);
 }
 
 /* rotate-half RoPE in place on the first nrot heads of x [T][nheads][hd]; table [2][P][hd/2] (cos, sin) */
@@ -53,12 +84,28 @@ void rope_rows(float *x, const float *table, const int64_t *pos, int T, int nhea
     }
 }
 
-AVX2_FN static void silu_mul_avx2(const float *gu, float *y, int T, int F) {
-    for (int t = 0; t < T; t++) {
+/* g * sigmoid(g) * u, sigmoid = 1 / (1 + exp(-g)): the same operations per element on both SIMD widths */
+AVX512_FN static void silu_mul_avx512(const float *gu, float *y, int t0, int t1, int F) {
+    for (int t = t0; t < t1; t++) {
         const float *g = gu + (size_t)t * 2 * F, *u = g + F;
         float *yt = y + (size_t)t * F;
         int i = 0;
-        for (; i + 8 <= F; i += 8) { /* g * sigmoid(g) * u, sigmoid = 1 / (1 + exp(-g)) */
+        for (; i + 16 <= F; i += 16) {
+            const __m512 gv = _mm512_loadu_ps(g + i);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            const __m512 sg = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            _mm512_storeu_ps(yt + i, _mm512_mul_ps(sg, _mm512_loadu_ps(u + i)));
+        }
+        for (; i < F; i++) yt[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+AVX2_FN static void silu_mul_avx2(const float *gu, float *y, int t0, int t1, int F) {
+    for (int t = t0; t < t1; t++) {
+        const float *g = gu + (size_t)t * 2 * F, *u = g + F;
+        float *yt = y + (size_t)t * F;
+        int i = 0;
+        for (; i + 8 <= F; i += 8) {
             const __m256 gv = _mm256_loadu_ps(g + i);
             const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
             const __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
@@ -68,17 +115,23 @@ AVX2_FN static void silu_mul_avx2(const float *gu, float *y, int T, int F) {
     }
 }
 
-static void silu_mul_generic(const float *gu, float *y, int T, int F) {
-    for (int t = 0; t < T; t++) {
+static void silu_mul_generic(const float *gu, float *y, int t0, int t1, int F) {
+    for (int t = t0; t < t1; t++) {
         const float *g = gu + (size_t)t * 2 * F, *u = g + F;
         for (int i = 0; i < F; i++) y[(size_t)t * F + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 
+static void silu_mul_block(const float *gu, float *y, int t0, int t1, int F) {
+    if (g_avx512) silu_mul_avx512(gu, y, t0, t1, F);
+    else if (g_avx2) silu_mul_avx2(gu, y, t0, t1, F);
+    else silu_mul_generic(gu, y, t0, t1, F);
+}
+
 /* out [T][F] = silu(gate) * up, gate_up [T][2F] = [gate | up] */
 void silu_mul_rows(const float *gu, float *y, int T, int F) {
-    if (g_avx2) silu_mul_avx2(gu, y, T, F);
-    else silu_mul_generic(gu, y, T, F);
+    rows_job_t J = {gu, NULL, y, 0.0f, T, F, 1};
+    if (!rows_on_pool(&J)) silu_mul_block(gu, y, 0, T, F);
 }
 
 /* float32 -> IEEE half, round to nearest even (as F16C's _mm256_cvtps_ph and numpy's astype): overflow to inf */
