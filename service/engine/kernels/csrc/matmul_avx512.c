@@ -86,6 +86,8 @@ AVX512_INLINE void tile_nb_avx512(int kind, const uint8_t *tile, int nblk, const
         for (int b = 0; b < nblk; b++) {
             const uint8_t *base = tile + (size_t)b * chunk, *c = base + 16 * h;
             const float *xb = x + 32 * b;
+            if (h == 0) /* the first half's pass streams the tile from memory; the second finds it cached */
+                for (size_t l = 0; l < chunk; l += 64) _mm_prefetch((const char *)base + PF_DIST + l, _MM_HINT_T0);
             __m512 ta[8], tb[8];
             for (int n = 0; n < NB; n++) ta[n] = tb[n] = _mm512_setzero_ps();
             if (kind == KIND_Q4) {
