@@ -120,7 +120,7 @@ def main() -> None:
     args = p.parse_args()
     cfg = SpecConfig(method="ngram", num_speculative_tokens=args.num_speculative_tokens,
                      disable_by_batch_size=args.disable_by_batch_size)  # fmt: skip
-    blocks = 2 * args.streams * (1200 + args.output_len) // 16 + 64
+    blocks = 2 * max(args.streams, 1) * (1200 + args.output_len) // 16 + 64  # two sequences of every stream
     plain = EngineCore(args.engine, num_kv_blocks=blocks, enable_prefix_caching=False)
     spec = EngineCore(args.engine, num_kv_blocks=blocks, enable_prefix_caching=False, speculative=cfg)
     workloads = json.loads(DATA.read_text())["workloads"]
