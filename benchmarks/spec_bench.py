@@ -143,7 +143,7 @@ def main() -> None:
     copy = [w["name"] for w in workloads if w["kind"] == "copy"]
     many = [prompts[name] for name in copy] * (args.streams // len(copy))
     streams = {"plain": [], "spec": []}
-    for r in range(args.rounds):
+    for r in range(args.rounds if many else 0):  # --streams 0 (or fewer than the copy kinds): skipped
         streams["plain"].append(run_many(plain, many, args.output_len // 2, f"mp{r}"))
         streams["spec"].append(run_many(spec, many, args.output_len // 2, f"ms{r}"))
     peer = None
@@ -180,10 +180,11 @@ def main() -> None:
               "| batch | " + " | ".join(f"k={k}" for k in range(1, 9)) + " |", "|---" * 9 + "|"]  # fmt: skip
     for b, c in costs.items():
         lines.append(f"| {b} | " + " | ".join(f"{c[k]:.2f}" for k in range(1, 9)) + " |")
-    sp, ss = statistics.median(streams["plain"]), statistics.median(streams["spec"])
-    lines += ["", f"{args.streams} streams of the copy-heavy prompts ({args.output_len // 2} tokens each), output "
-              f"tok/s: plain {sp:.0f}, spec {ss:.0f} ({ss / sp:.2f}x; drafts only while "
-              f"<= {args.disable_by_batch_size} decodes run)."]  # fmt: skip
+    if streams["plain"]:
+        sp, ss = statistics.median(streams["plain"]), statistics.median(streams["spec"])
+        lines += ["", f"{len(many)} streams of the copy-heavy prompts ({args.output_len // 2} tokens each), output "
+                  f"tok/s: plain {sp:.0f}, spec {ss:.0f} ({ss / sp:.2f}x; drafts only while "
+                  f"<= {args.disable_by_batch_size} decodes run)."]  # fmt: skip
     if peer is not None:
         lines += ["", f"llama.cpp's own n-gram speculation (llama-server `--spec-type ngram-simple`, one slot, "
                   f"2 threads; {peer.pop('_system_info', '')}), decode tok/s, medians of {args.rounds}:", "",
