@@ -146,18 +146,19 @@ def main() -> None:
     for r in range(args.rounds if many else 0):  # --streams 0 (or fewer than the copy kinds): skipped
         streams["plain"].append(run_many(plain, many, args.output_len // 2, f"mp{r}"))
         streams["spec"].append(run_many(spec, many, args.output_len // 2, f"ms{r}"))
+    use = meter.stop()  # our engines' part only: llama-server's CPU below would count as the others' load
     peer = None
     if args.llama_server:
         from benchmarks.llamacpp_peer import _default_gguf
 
         peer = llama_server_runs(args.llama_server, args.gguf or _default_gguf(), prompts, args.output_len, args.rounds)
-    use = meter.stop()
 
     lines = [
         "## Speculative decoding: n-gram drafts against plain decode (`python -m benchmarks.spec_bench`)",
         "",
         f"Command: `python -m benchmarks.spec_bench --engine {args.engine} --rounds {args.rounds} --output-len "
-        f"{args.output_len} --streams {args.streams}{' --write' if args.write else ''}`; {machine_line()}; kernels {BACKEND.name}; other load during the run "
+        f"{args.output_len} --streams {args.streams}{' --llama-server PATH' if args.llama_server else ''}"
+        f"{' --write' if args.write else ''}`; {machine_line()}; kernels {BACKEND.name}; other load during our runs "
         f"{use.others:.2f} cores. One stream, greedy, {args.output_len} tokens each (ignore_eos), "
         f"--num-speculative-tokens {args.num_speculative_tokens} (k chosen per step), medians of {args.rounds} "
         f"interleaved rounds. Plain-decode roofline in this run: {roofline:.0f} tok/s (read bandwidth "
