@@ -261,6 +261,30 @@ def test_drain_timeout_cuts_streams_with_aborted_or_unavailable(engine_dir: Path
         srv.stop()
 
 
+def test_the_drain_stops_the_transport_before_the_handlers_refuse(engine_dir: Path) -> None:
+    """A drain's first act is the gRPC server's stop (listener closed, GOAWAY sent: gRPC then refuses new streams
+    itself, which a proxy retries on another replica). Only after it may the handlers answer UNAVAILABLE: before,
+    the handlers refused first and the transport stopped after two awaits, so an RPC arriving on a proxy's
+    kept-alive connection in between got an UNAVAILABLE the proxy relayed (compose e2e: 14 of 20 requests behind
+    nginx, whose least_conn sent every new request to the idle, draining replica)."""
+    srv = ServerThread(make_config(engine_dir)).start()
+    try:
+        grpc_server = srv.server._server
+        real_stop = grpc_server.stop
+        refusing_when_stopped: list[bool] = []
+
+        async def stop(grace):  # the stop's first step: does the edge refuse RPCs already?
+            refusing_when_stopped.append(srv.server.edge.draining)
+            return await real_stop(grace)
+
+        grpc_server.stop = stop
+        srv.run(srv.server.drain_and_stop(5))
+        assert refusing_when_stopped == [False]
+        assert srv.server.edge.draining  # and it does refuse once the transport has stopped
+    finally:
+        srv.stop()
+
+
 def test_stream_client_prints_one_clean_error_when_the_server_goes_away(engine_dir: Path) -> None:
     import subprocess
     import sys

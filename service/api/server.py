@@ -342,21 +342,27 @@ class LLMServer:
         self._stopped = True
         timeout = self.cfg.drain_timeout_s if timeout is None else timeout
         self._draining = True
-        await self.health.enter_graceful_shutdown()
-        if self.backend is not None:
-            self.backend.stop_accepting()
-        self.edge.draining = True  # an RPC still arriving on an old connection gets UNAVAILABLE
         loop = asyncio.get_running_loop()
         stopping = []
-        if self.triton_servicer is not None:
-            self.triton_servicer.begin_drain()  # idle Triton streams end; those with requests end after them
-        if self._server is not None:
-            await self.health.end_watches()  # else the grace below would wait for them: they never end
+        # NOTE: the transport first, before anything here awaits: each server's stop closes its listener and sends
+        # GOAWAY on its connections, after which gRPC refuses new streams itself (a proxy retries those on another
+        # replica: nginx `grpc_next_upstream error`). Until then an RPC arriving on a proxy's kept-alive connection
+        # reached the handler and got UNAVAILABLE, which a proxy relays: with least_conn the drained replica (no
+        # streams left) drew every new request, 14 of 20 failed in one compose e2e run.
         for server in (self._server, self._triton_server):
             if server is not None:
                 # one stop() call per server for the whole drain (concurrent calls on one server crash grpc);
                 # it returns once every RPC is done
                 stopping.append(asyncio.ensure_future(server.stop(timeout + CUT_GRACE_S + 1)))
+        await asyncio.sleep(0)  # the stops' first steps (listener closed, GOAWAY sent) run now
+        self.edge.draining = True  # an RPC that still arrives (sent before the GOAWAY reached its peer): UNAVAILABLE
+        if self.backend is not None:
+            self.backend.stop_accepting()
+        await self.health.enter_graceful_shutdown()
+        if self.triton_servicer is not None:
+            self.triton_servicer.begin_drain()  # idle Triton streams end; those with requests end after them
+        if self._server is not None:
+            await self.health.end_watches()  # else the stop's grace would wait for them: they never end
         if self._triton_http is not None:  # the listener and idle connections close now, busy ones after
             stopping.append(asyncio.ensure_future(self._triton_http.stop()))
         deadline = loop.time() + timeout

@@ -191,7 +191,9 @@ static void task_panel(void *ctx, int task) { /* block-panel (SIMD) or tile pane
                 memset(tmp, 0, (size_t)nr * TR * sizeof(float));
                 for (int b = 0; b < J->nblk; b++) {
                     const uint8_t *c = tile + (size_t)b * chunk;
-                    float *P = W + (size_t)b * TR * TR;
+                    /* one sweep (n <= PANEL_ROWS): each block is used right after its unpacking, so one 4 KB
+                     * buffer serves every block and stays in L1; more sweeps keep the whole tile unpacked */
+                    float *P = J->n <= PANEL_ROWS ? W : W + (size_t)b * TR * TR;
                     const float *sxb = sxr ? sxr + b : NULL;
                     if (r0 == 0) /* the block 2 KB ahead in the weight stream (16 rows of x, whole set from
                                   * memory: 13.4 -> 12.8 ms; 4 KB and L2 hints no better) */
