@@ -261,26 +261,42 @@ def test_drain_timeout_cuts_streams_with_aborted_or_unavailable(engine_dir: Path
         srv.stop()
 
 
-def test_the_drain_stops_the_transport_before_the_handlers_refuse(engine_dir: Path) -> None:
-    """A drain's first act is the gRPC server's stop (listener closed, GOAWAY sent: gRPC then refuses new streams
-    itself, which a proxy retries on another replica). Only after it may the handlers answer UNAVAILABLE: before,
-    the handlers refused first and the transport stopped after two awaits, so an RPC arriving on a proxy's
-    kept-alive connection in between got an UNAVAILABLE the proxy relayed (compose e2e: 14 of 20 requests behind
-    nginx, whose least_conn sent every new request to the idle, draining replica)."""
+def test_an_rpc_that_reached_the_server_as_the_drain_began_is_served(engine_dir: Path) -> None:
+    """A drain's first act is the gRPC server's stop (listener closed, GOAWAY: gRPC then refuses new streams
+    itself, which a proxy retries on another replica). An RPC already on the wire when the drain began, the
+    transport accepted: it is served, not refused. A proxy relays an UNAVAILABLE to its client instead of retrying
+    (compose e2e behind nginx, least_conn: 14 of 20 requests failed while the handlers refused first, 2 of 20 once
+    the transport stopped first but the handlers still refused what had arrived)."""
     srv = ServerThread(make_config(engine_dir)).start()
     try:
+        stub = srv.stub()
+        _tokens(stub, _req(max_tokens=1))  # the connection is up: the next RPC travels on it, as a proxy's does
         grpc_server = srv.server._server
         real_stop = grpc_server.stop
-        refusing_when_stopped: list[bool] = []
+        seen: dict = {}
 
-        async def stop(grace):  # the stop's first step: does the edge refuse RPCs already?
-            refusing_when_stopped.append(srv.server.edge.draining)
+        async def stop(grace):  # the drain's first step; the RPC arrives on the kept-alive connection right now
+            seen["draining_at_stop"] = srv.server.edge.draining
+            seen["stream"] = stream = stub.Generate(_req(prompt="on the wire", max_tokens=8))  # starts, no wait
+            # the drain goes on meanwhile (draining set, health NOT_SERVING): wait for the RPC's handler to take a
+            # slot, or for the RPC to end (refused), before the transport stops
+            deadline = time.monotonic() + 30
+            while not srv.server.edge.num_active and not stream.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            seen["draining_at_arrival"] = srv.server.edge.draining
             return await real_stop(grace)
 
         grpc_server.stop = stop
-        srv.run(srv.server.drain_and_stop(5))
-        assert refusing_when_stopped == [False]
-        assert srv.server.edge.draining  # and it does refuse once the transport has stopped
+        srv.run(srv.server.drain_and_stop(30))
+        assert seen["draining_at_stop"] is False  # the transport stops before anything else in the drain
+        assert seen["draining_at_arrival"] is True  # the RPC reached the handler with the drain under way
+        chunks, complete = [], None
+        for resp in seen["stream"]:  # served: no UNAVAILABLE
+            if resp.HasField("chunk"):
+                chunks.append(resp.chunk)
+            else:
+                complete = resp.complete
+        assert len(ids_and_text(chunks)[0]) == 8 and complete is not None
     finally:
         srv.stop()
 

@@ -8,8 +8,11 @@ request parsing and tokenization (service/api/tokenization.py).
 - Stalled writers: a stream whose next response has waited on the client for `stall_timeout_s` (HTTP/2 flow
   control: the client stopped reading, its window and gRPC's buffers are full) is ended with ABORTED, which
   aborts its requests in the backend; so unread responses hold memory for a bounded time, never forever.
-- Drain: `draining` (new RPCs get UNAVAILABLE) and `cut` (the drain timeout passed: streams still running end
-  with ServerShutdown), set by the server's drain; `ready()` is the backend once it can take requests.
+- Drain: `draining` (readiness says no, subscriptions end) and `cut` (the drain timeout passed: streams still
+  running end with ServerShutdown, new ones get UNAVAILABLE), set by the server's drain. The transport refuses new
+  streams (the gRPC server's stop: listener closed, GOAWAY); an RPC it accepted before that reached its peer is
+  served, as HTTP/2 promises for streams below a GOAWAY's last stream id. `admit()` is the backend for a request,
+  `ready()` the same while not draining (what readiness reports).
 
 Runs in the event loop only (no locks).
 """
@@ -116,19 +119,29 @@ class Edge:
         self.num_active = 0  # slots held (the drain waits for them)
         self._per_peer: dict[str, int] = {}
         self._writers: set[WriteWatch] = set()
-        self.draining = False  # set on shutdown: new RPCs get UNAVAILABLE
+        self.draining = False  # set on shutdown: readiness says no; requests the transport accepted are served
         self.cut = False  # set at the drain timeout: streams still running end with ServerShutdown
         self._sweeper: asyncio.Task | None = None
 
     # ---- requests ------------------------------------------------------------------------------------
-    def ready(self) -> Backend:
-        """The backend, or EngineUnavailable while loading or draining."""
-        if self.draining:
+    def admit(self) -> Backend:
+        """The backend for a request, or EngineUnavailable while loading or once the drain has cut its streams.
+
+        A request that arrives while draining is served: the transport stopped taking streams at the drain's start
+        (GOAWAY), so one that still reaches a handler was sent before the peer saw that, and a proxy treats it as
+        accepted. Refusing it would hand the proxy an UNAVAILABLE it relays instead of retrying elsewhere."""
+        if self.cut:
             raise EngineUnavailable("the server is shutting down")
         backend = self._backend()
         if backend is None:
             raise EngineUnavailable("the engine is still loading")
         return backend
+
+    def ready(self) -> Backend:
+        """admit(), and not draining: what readiness probes report."""
+        if self.draining:
+            raise EngineUnavailable("the server is shutting down")
+        return self.admit()
 
     def parse(self, message_type: type[Message], raw: bytes) -> Message:
         """A request message of this server (size-checked, then parsed: service/api/validation.py)."""

@@ -333,9 +333,10 @@ class LLMServer:
     async def drain_and_stop(self, timeout: float | None = None) -> None:
         """NOT_SERVING at once, close the listener, let streams in flight finish within the timeout, then stop.
 
-        The listener closes (and existing connections get GOAWAY) at the start, not the end: a load balancer's
-        next connection attempt is refused and it retries another replica (nginx `grpc_next_upstream error`),
-        instead of receiving UNAVAILABLE from this one, which it cannot retry.
+        The transport stops first: the listener closes and existing connections get GOAWAY, so a load balancer's
+        next connection attempt is refused and it retries another replica (nginx `grpc_next_upstream error`). An
+        RPC the transport accepted before its GOAWAY reached the peer is served, not refused (edge.admit): the
+        peer counts it as accepted, so an UNAVAILABLE would be relayed to the client, not retried.
         """
         if self._stopped:
             return
@@ -344,20 +345,17 @@ class LLMServer:
         self._draining = True
         loop = asyncio.get_running_loop()
         stopping = []
-        # NOTE: the transport first, before anything here awaits: each server's stop closes its listener and sends
-        # GOAWAY on its connections, after which gRPC refuses new streams itself (a proxy retries those on another
-        # replica: nginx `grpc_next_upstream error`). Until then an RPC arriving on a proxy's kept-alive connection
-        # reached the handler and got UNAVAILABLE, which a proxy relays: with least_conn the drained replica (no
-        # streams left) drew every new request, 14 of 20 failed in one compose e2e run.
+        # NOTE: the transport first, before anything here awaits. Behind nginx (least_conn, kept-alive upstream
+        # connections) a drained replica draws new requests until its GOAWAY lands: when the handlers refused
+        # those, 14 of 20 requests failed in one compose e2e run; with the stop first but handlers still refusing
+        # the ones already on the wire, 2 of 20.
         for server in (self._server, self._triton_server):
             if server is not None:
                 # one stop() call per server for the whole drain (concurrent calls on one server crash grpc);
                 # it returns once every RPC is done
                 stopping.append(asyncio.ensure_future(server.stop(timeout + CUT_GRACE_S + 1)))
         await asyncio.sleep(0)  # the stops' first steps (listener closed, GOAWAY sent) run now
-        self.edge.draining = True  # an RPC that still arrives (sent before the GOAWAY reached its peer): UNAVAILABLE
-        if self.backend is not None:
-            self.backend.stop_accepting()
+        self.edge.draining = True  # readiness says no; subscriptions end
         await self.health.enter_graceful_shutdown()
         if self.triton_servicer is not None:
             self.triton_servicer.begin_drain()  # idle Triton streams end; those with requests end after them
@@ -370,13 +368,13 @@ class LLMServer:
             await asyncio.sleep(0.02)
         if self.edge.num_active:  # the drain timeout: end what still runs, with a status that says so
             logger.warning("drain timeout: ending %d RPCs still in flight", self.edge.num_active)
-            self.edge.cut = True
+            self.edge.cut = True  # and an RPC that still arrives gets UNAVAILABLE
             if self.backend is not None:
                 self.backend.abort_all()
             cut_deadline = loop.time() + CUT_GRACE_S
             while self.edge.num_active and loop.time() < cut_deadline:
                 await asyncio.sleep(0.01)
-        for stop in stopping:
+        for stop in stopping:  # an RPC accepted after the loop above saw none left runs within the stop's grace
             await stop
         if self.backend is not None:  # a dead engine's thread may be stuck in a stalled step: do not wait long
             await self.backend.shutdown(timeout=0.5 if self.fatal else 5.0)

@@ -105,7 +105,7 @@ class LLMServicer:
         async with self.edge.outcome(context, lambda call: self.metrics.rpc_finished(call.code.name)) as call:
             with self.edge.slot(peer) as slot, self.edge.watch_writes(context) as writes:
                 call.writes = writes
-                backend = self.edge.ready()
+                backend = self.edge.admit()
                 gen = await self._to_domain(self.edge.parse(llm_pb2.GenerateRequest, raw), backend, peer)
                 call.request_id = gen.request_id
                 if call.past_deadline():
@@ -133,7 +133,7 @@ class LLMServicer:
     async def Tokenize(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.TokenizeResponse:
         peer = context.peer()
         with self.edge.slot(peer):
-            backend = self.edge.ready()
+            backend = self.edge.admit()
             req = self.edge.parse(llm_pb2.TokenizeRequest, raw)
             kind = req.WhichOneof("input")
             if kind is None:
@@ -147,7 +147,7 @@ class LLMServicer:
     @unary_errors
     async def GetModelInfo(self, raw: bytes, context: grpc.aio.ServicerContext) -> llm_pb2.ModelInfo:
         with self.edge.slot(context.peer()):
-            backend = self.edge.ready()
+            backend = self.edge.admit()
             self.edge.parse(llm_pb2.GetModelInfoRequest, raw)
             return model_info(backend, self.edge.max_rpcs)
 

@@ -87,7 +87,7 @@ class TritonInference:
         """Model, readiness, tensors and values checked: the call, its backend, and whether an empty final
         response was asked for."""
         spec = self.models.find(req.model_name, req.model_version)
-        backend = self.edge.ready()
+        backend = self.edge.admit()
         if len(req.id.encode()) > MAX_ID_BYTES:
             raise InvalidRequest(f"the request id is longer than {MAX_ID_BYTES} bytes")
         empty_final = False
@@ -141,7 +141,7 @@ class TritonInference:
         spec = self.models.find(req.model_name, req.model_version)
         if spec.kind not in STEP_KINDS:
             return None
-        return await self.steps.infer(spec, req, self.edge.ready(), peer, stream=stream)
+        return await self.steps.infer(spec, req, self.edge.admit(), peer, stream=stream)
 
     @staticmethod
     def _decoder(backend: Backend):

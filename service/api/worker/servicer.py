@@ -86,7 +86,7 @@ class TrtllmServicer:
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
     def _serving(self) -> Backend:
-        backend = self.edge.ready()  # UNAVAILABLE while loading, warming up or draining
+        backend = self.edge.admit()  # UNAVAILABLE while loading or warming up, or after the drain cut streams
         if TEXT_ONLY in backend.info.not_reported:  # every RPC, HealthCheck too: a gateway must not register it
             raise Unsupported(
                 "this server's backend returns text, not token ids (a Triton ensemble), and the worker protocol "
