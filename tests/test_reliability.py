@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.llm.v1 import llm_pb2
 from tests.engines import build_tiny
 from tests.servers import ServerThread, generate, ids_and_text, make_config, running_server
-from tests.waiting import wait_until
+from tests.waiting import wait_until, wait_until_async
 
 pytestmark = pytest.mark.server
 
@@ -275,28 +275,23 @@ def test_an_rpc_that_reached_the_server_as_the_drain_began_is_served(engine_dir:
         real_stop = grpc_server.stop
         seen: dict = {}
 
-        async def stop(grace):  # the drain's first step; the RPC arrives on the kept-alive connection right now
-            seen["draining_at_stop"] = srv.server.edge.draining
-            seen["stream"] = stream = stub.Generate(_req(prompt="on the wire", max_tokens=8))  # starts, no wait
-            # the drain goes on meanwhile (draining set, health NOT_SERVING): wait for the RPC's handler to take a
-            # slot, or for the RPC to end (refused), before the transport stops
-            deadline = time.monotonic() + 30
-            while not srv.server.edge.num_active and not stream.done() and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)
-            seen["draining_at_arrival"] = srv.server.edge.draining
-            return await real_stop(grace)
+        with ThreadPoolExecutor(1) as pool:
 
-        grpc_server.stop = stop
-        srv.run(srv.server.drain_and_stop(30))
+            async def stop(grace):  # the drain's first step; an RPC arrives on the kept-alive connection right now
+                seen["draining_at_stop"] = srv.server.edge.draining
+                seen["rpc"] = rpc = pool.submit(_tokens, stub, _req(prompt="on the wire", max_tokens=8))
+                # the drain goes on meanwhile (draining set, health NOT_SERVING): the transport stops once the RPC's
+                # handler has taken a slot (or the RPC has ended: refused)
+                await wait_until_async(lambda: srv.server.edge.num_active or rpc.done(), "the RPC taken or refused")
+                seen["draining_at_arrival"] = srv.server.edge.draining
+                return await real_stop(grace)
+
+            grpc_server.stop = stop
+            srv.run(srv.server.drain_and_stop(30))
+            ids, complete = seen["rpc"].result(timeout=30)  # served: no UNAVAILABLE
         assert seen["draining_at_stop"] is False  # the transport stops before anything else in the drain
-        assert seen["draining_at_arrival"] is True  # the RPC reached the handler with the drain under way
-        chunks, complete = [], None
-        for resp in seen["stream"]:  # served: no UNAVAILABLE
-            if resp.HasField("chunk"):
-                chunks.append(resp.chunk)
-            else:
-                complete = resp.complete
-        assert len(ids_and_text(chunks)[0]) == 8 and complete is not None
+        assert seen["draining_at_arrival"] is True  # the RPC reached its handler with the drain under way
+        assert len(ids) == 8 and complete is not None
     finally:
         srv.stop()
 
