@@ -23,6 +23,12 @@
 
 #define KV_PREFETCH 8 /* keys ahead the score pass prefetches K rows */
 
+/* bytes of each key's slot a span prefetches for its pf (kernels.h): none, the head's own row, or every KV head's
+ * rows of the slot (they sit side by side) */
+static inline size_t prefetch_bytes(const kv_layer_t *L, int pf, size_t row) {
+    return pf == ATTN_PF_SLOTS ? row * L->KV : pf == ATTN_PF_ROWS ? row : 0;
+}
+
 size_t kv_item_bytes(int dtype) { return dtype == KV_F32 ? 4 : dtype == KV_I8 ? 1 : 2; }
 
 /* ---- AVX2 (hd a multiple of 8): R query heads and the stored type constants in each instance ---- */
@@ -43,9 +49,9 @@ AVX2_INLINE void span_avx2(const kv_layer_t *L, const size_t *at, int kvh, const
     const size_t isz = dt == KV_F32 ? 4 : dt == KV_I8 ? 1 : 2, row = hd * isz;
     const char *kbase = L->k, *vbase = L->v;
     float s[4][ATTN_SPAN] __attribute__((aligned(32)));
+    const size_t ahead = prefetch_bytes(L, pf, row);
     for (int jj = 0; jj < n; jj++) {
         /* K rows a few keys ahead, and this key's V row for the second pass (whole slots: ATTN_PF_SLOTS) */
-        const size_t ahead = pf == ATTN_PF_SLOTS ? row * L->KV : pf == ATTN_PF_ROWS ? row : 0;
         if (jj + KV_PREFETCH < n)
             for (size_t b = 0; b < ahead; b += 64) _mm_prefetch(kbase + at[jj + KV_PREFETCH] * row + b, _MM_HINT_T0);
         for (size_t b = 0; b < ahead; b += 64) _mm_prefetch(vbase + at[jj] * row + b, _MM_HINT_T0);
@@ -168,12 +174,12 @@ AVX512_INLINE void span_avx512(const kv_layer_t *L, const size_t *at, const floa
     const char *kbase = L->k, *vbase = L->v;
     float s[4][ATTN_SPAN] __attribute__((aligned(64)));
     float kw[16 * 256] __attribute__((aligned(64))); /* a group's K rows widened (stored types other than f32) */
+    const size_t ahead = prefetch_bytes(L, pf, row);
     for (int j0 = 0; j0 < n; j0 += 16) {
         const int nk = n - j0 < 16 ? n - j0 : 16;
         /* this group's V rows toward L2 for the second pass, the next group's K rows toward L1; ATTN_PF_SLOTS:
          * every KV head's rows of those slots (contiguous), so the other heads' passes over the span hit the
          * caches (one pass streaming whole slots reads faster than KV passes over a third of each) */
-        const size_t ahead = pf == ATTN_PF_SLOTS ? row * L->KV : pf == ATTN_PF_ROWS ? row : 0;
         for (int jj = 0; jj < nk && ahead; jj++) {
             for (size_t b = 0; b < ahead; b += 64) _mm_prefetch(vbase + at[j0 + jj] * row + b, _MM_HINT_T1);
             if (j0 + 16 + jj < n)
@@ -257,11 +263,11 @@ AVX512_INLINE void span_avx512(const kv_layer_t *L, const size_t *at, const floa
     }
 }
 
-#define SPAN512_DT(R, dt)                                                   \
-    switch (L->hd) {                                                        \
-    case 64: span_avx512(L, at, q, R, dt, 64, n, pm, po, pf); break;            \
-    case 128: span_avx512(L, at, q, R, dt, 128, n, pm, po, pf); break;          \
-    default: span_avx512(L, at, q, R, dt, 0, n, pm, po, pf); break;             \
+#define SPAN512_DT(R, dt)                                                 \
+    switch (L->hd) {                                                      \
+    case 64: span_avx512(L, at, q, R, dt, 64, n, pm, po, pf); break;      \
+    case 128: span_avx512(L, at, q, R, dt, 128, n, pm, po, pf); break;    \
+    default: span_avx512(L, at, q, R, dt, 0, n, pm, po, pf); break;       \
     }
 #define SPAN512_R(dt)                          \
     switch (R) {                               \

@@ -76,8 +76,9 @@ AVX2_INLINE __m256 exp256(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-/* exp256, 16 lanes: the same operations lane by lane (the same value for an element on either ISA) */
-AVX512_INLINE __m512 exp512(__m512 x) { /* exp256's polynomial and clamp, 16 lanes */
+/* exp256 on 16 lanes: its clamp and polynomial, the same operations lane by lane (the same value for an element
+ * on either ISA) */
+AVX512_INLINE __m512 exp512(__m512 x) {
     const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447504f);
     x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
     __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
