@@ -29,13 +29,12 @@ ISAS = tuple(BACKEND.ext.isas()) if BACKEND.ext is not None and BACKEND.matmul =
 ROWS = 40  # rows of x: past the direct path (8), several micro-kernel passes (6 and 3 rows) and a remainder
 
 
-@pytest.fixture(params=ISAS or ["no-extension"])
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+@pytest.fixture
+def isa(kernel_isa: str) -> str:
+    """The matmul tests on each ISA the CPU runs (tests/conftest.py's kernel_isa forces and restores it)."""
     if not ISAS:
         pytest.skip("the compiled kernels extension does not run the matmuls here (LLM_QUANT_KERNELS, no compiler)")
-    assert BACKEND.ext.force_isa(request.param) == request.param
-    yield request.param
-    BACKEND.ext.force_isa("best")
+    return kernel_isa
 
 
 SIMD_ISAS = tuple(i for i in ISAS if i != "generic")

@@ -3,7 +3,8 @@
 Decode attention (csrc/decode_attention.c) alone vs in a batch of 16 sequences of other lengths, at contexts
 long enough for its key spans to run as separate tasks (3000 keys), whatever the pool's size; a prefill row
 (csrc/attention.c, paged and contiguous) vs the decode call for the same position; every KV stored type; every
-kernel ISA the CPU runs (AVX-512, AVX2, portable C: the kernel_isa fixture, forced dispatch). The numba decode kernel (the fallback) alone vs in a batch.
+kernel ISA the CPU runs (AVX-512, AVX2, portable C: the kernel_isa fixture, forced dispatch). The numba decode
+kernel (the fallback) alone vs in a batch.
 Equality is np.array_equal, never allclose.
 """
 

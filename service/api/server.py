@@ -104,9 +104,8 @@ class LLMServer:
         self.triton_port: int | None = None
         self.triton_http_port: int | None = None
         self.metrics_port: int | None = None
-        self._draining = False
         self._force = False  # a second signal: stop waiting for streams
-        self._stopped = False  # drain_and_stop ran (it runs once)
+        self._stopped = False  # drain_and_stop ran (it runs once): health stays NOT_SERVING
         self._tasks: set[asyncio.Future] = set()
         self.fatal: str | None = None  # why the engine can no longer serve (the process should exit non-zero)
         self.fatal_event = asyncio.Event()
@@ -323,7 +322,7 @@ class LLMServer:
         task.add_done_callback(self._tasks.discard)
 
     async def _set_serving(self, healthy: bool) -> None:
-        if self._draining:
+        if self._stopped:
             return
         status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", SERVICE_NAME, WORKER_SERVICE_NAME):
@@ -342,7 +341,6 @@ class LLMServer:
             return
         self._stopped = True
         timeout = self.cfg.drain_timeout_s if timeout is None else timeout
-        self._draining = True
         loop = asyncio.get_running_loop()
         stopping = []
         # NOTE: the transport first, before anything here awaits. Behind nginx (least_conn, kept-alive upstream
