@@ -6,8 +6,12 @@ Workloads: benchmarks/data/spec_prompts.json (real instructions: rename a variab
 three sentences from a ~1,000-token passage, reformat a 30-key JSON object, summarise with quotations; and plain
 prose), greedy, exactly --output-len tokens (ignore_eos). Per workload, --rounds interleaved rounds (plain, spec,
 plain, ...) on two engines loaded side by side: decode tok/s = 1000 / the engine's TPOT (first token -> last /
-(tokens - 1)), medians; acceptance = accepted / draft tokens, mean k = draft tokens / verify steps; the outputs
-are compared token for token. The plain-decode roofline of the same run: bytes a plain decode step reads (weights
+(tokens - 1)), medians; speed-up = the ratio of those medians, paired = the median of each round's ratio (robust
+to the box's speed drifting between rounds); acceptance = accepted / draft tokens, mean k = draft tokens / verify
+steps; the outputs are compared token for token. The drafter's bounds, from the plain output and this run's verify
+costs at batch 1: the speed-up if every step's k were chosen knowing how many drafts the model will accept (what
+no policy for k can beat with this drafter), and the tokens a step with that knowledge if a verify step cost no
+more than a one-token step (what no verify kernel can beat). The plain-decode roofline of the same run: bytes a plain decode step reads (weights
 as stored + the KV cache at the mean context) / the read bandwidth measured in this run. Verify cost: a forward
 step with B sequences of 1 + k tokens each at --context keys, relative to the same step with 1 token each (k = 0),
 B = 1 and 4, medians. 16 streams: 16 copy-heavy requests at once (the four kinds, four each), output tok/s of the
@@ -33,6 +37,7 @@ from service.config import SpecConfig
 from service.engine.core import EngineCore
 from service.engine.kernels.backend import BACKEND
 from service.engine.runners.base import ForwardBatch, SeqChunk
+from service.engine.spec_decode import NgramDrafter
 from service.request import GenerateRequest, SamplingParams
 
 DATA = Path(__file__).resolve().parent / "data" / "spec_prompts.json"
@@ -107,6 +112,27 @@ def verify_cost(core: EngineCore, batch: int, context: int, ks: list[int], reps:
     return {k: statistics.median(v) / base for k, v in ms.items() if k}
 
 
+def drafter_bound(prompt: list[int], output: list[int], cfg: SpecConfig, cost: dict[int, float]) -> tuple[float, float]:
+    """What the n-gram drafter allows on one plain greedy output, whatever policy chooses k: (speed-up with every
+    step's k chosen knowing how many drafts the model will accept, at the verify costs `cost` (k -> a step of 1 + k
+    tokens / a one-token step); tokens per step with that knowledge if verify steps cost a one-token step).
+    Dynamic programming over the decode positions (the first token comes from the prefill): at position i the
+    drafter proposes from prompt + output[:i]; m_i of its drafts equal the output; a step may carry k <= m_i of
+    them (more only adds rejected rows) and yields k + 1 tokens."""
+    drafter, n = NgramDrafter(cfg.prompt_lookup_min, cfg.prompt_lookup_max), len(output)
+    match = [0] * n
+    for i in range(1, n):
+        drafts = drafter.propose(prompt + output[:i], min(cfg.num_speculative_tokens, n - 1 - i))
+        while match[i] < len(drafts) and drafts[match[i]] == output[i + match[i]]:
+            match[i] += 1
+    rel = {0: 1.0, **cost}
+    time_to_end, steps_to_end = [0.0] * (n + 1), [0] * (n + 1)  # from position i to the end: least cost, steps
+    for i in range(n - 1, 0, -1):
+        time_to_end[i] = min(rel[k] + time_to_end[i + k + 1] for k in range(match[i] + 1))
+        steps_to_end[i] = 1 + min(steps_to_end[i + k + 1] for k in range(match[i] + 1))
+    return (n - 1) / time_to_end[1], (n - 1) / steps_to_end[1]
+
+
 def main() -> None:
     p = bench_parser(__doc__, "Speculative decoding")
     p.add_argument("--rounds", type=int, default=3)
@@ -165,8 +191,9 @@ def main() -> None:
         f"{bw:.1f} GB/s, {plain.runner.weight_bytes / 1e6:.1f} MB of weights + the KV cache at "
         f"{mean_ctx:.0f} keys per token).",
         "",
-        "| workload | plain tok/s | spec tok/s | speed-up | vs roofline | acceptance | mean k | same tokens |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | plain tok/s | spec tok/s | speed-up | paired | vs roofline | acceptance | mean k | drafter's bound "
+        "| free-verify bound | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, res in results.items():
         pt = statistics.median(x["tok_s"] for x in res["plain"])
@@ -175,8 +202,11 @@ def main() -> None:
         a = sum(x["accepted"] for x in res["spec"])
         steps = sum(x["drafts"] for x in res["spec"])
         same = all(x["tokens"] == y["tokens"] for x, y in zip(res["plain"], res["spec"], strict=True))
-        lines.append(f"| {name} | {pt:.0f} | {st:.0f} | {st / pt:.2f}x | {st / roofline:.2f}x | "
-                     f"{a / d if d else 0:.2f} | {d / steps if steps else 0:.1f} | {'yes' if same else 'NO'} |")  # fmt: skip
+        paired = statistics.median(y["tok_s"] / x["tok_s"] for x, y in zip(res["plain"], res["spec"], strict=True))
+        bound, free = drafter_bound(prompts[name], res["plain"][0]["tokens"], cfg, costs[1])
+        lines.append(f"| {name} | {pt:.0f} | {st:.0f} | {st / pt:.2f}x | {paired:.2f}x | {st / roofline:.2f}x | "
+                     f"{a / d if d else 0:.2f} | {d / steps if steps else 0:.1f} | {bound:.2f}x | {free:.2f}x | "
+                     f"{'yes' if same else 'NO'} |")  # fmt: skip
     lines += ["", f"Verify-step cost (forward time of 1 + k tokens per sequence / 1 token, {args.context} keys):", "",
               "| batch | " + " | ".join(f"k={k}" for k in range(1, 9)) + " |", "|---" * 9 + "|"]  # fmt: skip
     for b, c in costs.items():

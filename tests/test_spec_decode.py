@@ -19,7 +19,7 @@ import pytest
 
 from service.engine.core import EngineCore
 from service.engine.sampler import Sampler
-from service.engine.spec_decode import NgramDrafter, SpecConfig, VerifyCost, choose_k
+from service.engine.spec_decode import NgramDrafter, SpecConfig, SpecState, VerifyCost, choose_k
 from service.request import GenerateRequest, InvalidRequest, Request, RequestStatus, SamplingParams
 from tests.engines import build_tiny, run_engine
 from tests.engines import tokens_of as _tokens
@@ -77,14 +77,44 @@ def test_k_follows_acceptance_and_the_measured_verify_cost() -> None:
     for _ in range(5):  # measured: each extra row costs 30% of a one-row step
         for rows in range(1, 10):
             cost.observe(rows, 10.0 * (1 + 0.3 * (rows - 1)))
-    assert choose_k(0.05, 8, cost) == 0  # prose: drafting would slow it down
-    assert choose_k(0.95, 8, cost) >= 4
-    assert choose_k(0.95, 2, cost) == 2  # capped
+    assert choose_k([0.05] * 8, cost) == 0  # prose: drafting would slow it down
+    assert choose_k([0.95] * 8, cost) >= 4
+    assert choose_k([0.95] * 2, cost) == 2  # capped
+    assert choose_k([0.3] + [0.95] * 7, cost) == 0  # a likely miss first: the later positions are rarely reached
     flat = VerifyCost(max_rows=9)
     for _ in range(5):
         for rows in range(1, 10):
             flat.observe(rows, 10.0)  # free rows (bandwidth-bound): more drafts pay while acceptance is high
-    assert choose_k(0.9, 8, flat) == 8
+    assert choose_k([0.9] * 8, flat) == 8
+
+
+def test_the_drafters_record_by_run_length_decides_how_far_to_draft() -> None:
+    state = SpecState(NgramDrafter(2, 4), max_k=8)
+    prior = state.acceptance(3)
+    assert prior[0] < prior[1] < prior[2]  # before any record: more likely right deeper into a run
+    for _ in range(6):  # drafts of 4, every one accepted, and the bonus token where the drafter said
+        state.proposed = [7, 7, 7, 7, 5]
+        state.record(4, [7, 7, 7, 7, 5])
+    copying = state.acceptance(4)
+    assert state.run == 30 and copying[0] > 0.9 and copying[0] > prior[2]
+    assert state.drafts == 6 and state.draft_tokens == 24 and state.accepted_tokens == 24
+    state.proposed = [7, 7, 7]
+    state.record(3, [7, 8])  # one accepted, the second rejected: the run starts again
+    assert state.run == 0 and state.accepted_per_pos[:3] == [7, 6, 6]
+    for _ in range(20):  # plain steps: the drafter's token checked against the model's, and wrong
+        state.proposed = [9]
+        state.record(0, [4])
+    assert state.acceptance(1)[0] < 0.1 and state.drafts == 7  # no draft was paid for to learn it
+    before = state.acceptance(1)[0]
+    for token in (1, 2, 3):  # the output starts to follow the drafter again, still without drafts
+        state.proposed = [token]
+        state.record(0, [token])
+    assert state.run == 3 and state.acceptance(1)[0] > before
+    state.record(0, [4])  # a step the drafter proposed nothing for: no longer in a run, no observation either
+    assert state.run == 0
+    state.proposed = [5, 6, 9]  # two drafts the scheduler dropped (no KV room): the model's token is checked
+    state.record(0, [5])  # against the first of them, the token the drafter proposed for this position
+    assert state.run == 1
 
 
 def test_bad_speculative_settings_are_refused_by_name() -> None:

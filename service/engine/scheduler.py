@@ -232,11 +232,12 @@ class Scheduler:
                 accepted = len(tokens) - 1
                 req.num_computed_tokens += 1 + accepted
                 self.kv.trim(req)  # blocks that only rejected drafts used go back
-                req.spec.record(seq.num_drafts, accepted)
             else:
                 req.num_computed_tokens += len(seq.token_ids)
             if not tokens:
                 continue
+            if req.spec:  # the drafter's record: drafts accepted, or its next token against the model's
+                req.spec.record(seq.num_drafts, tokens)
             appended = 0
             for token in tokens:
                 req.append_token(token, now)

@@ -4,10 +4,14 @@ Drafting (NgramDrafter): the longest n-gram at the end of a request's tokens (pr
 prompt_lookup_max down to prompt_lookup_min, that occurred earlier proposes the tokens that followed its most
 recent earlier occurrence. No second model.
 
-How many drafts (choose_k): per request, the expected tokens a verify step of k drafts yields under the
-request's recent acceptance rate a (1 + a + ... + a^k) divided by that step's measured cost relative to a one-token
-step (VerifyCost: an online median of the engine's own forward times by rows in the step); k = 0 (no drafts)
-where nothing pays, so prose does not slow down.
+How many drafts (choose_k): per request, the expected tokens a verify step of k drafts yields divided by that
+step's measured cost relative to a one-token step (VerifyCost: an online median of the engine's own forward times
+by rows in the step); k = 0 (no drafts) where nothing pays, so prose does not slow down. The expected tokens come
+from the drafter's record on this request by run length (SpecState): how often its token was right after r right
+ones in a row. Copying comes in runs: once the output has followed the text it copies for a few tokens, the next
+draft is far likelier to be accepted than after a miss. Every step checks the drafter, drafting or not: a plain
+step compares the token the drafter would have proposed with the model's, so a request learns when its output
+starts copying without paying for drafts to find out.
 
 Verification (verify): the last accepted token plus the k drafts run as one step; row i's logits are the model's
 distribution for the position of draft i (bitwise those of a one-token step: batch-invariant kernels,
@@ -32,15 +36,16 @@ from service.request import Request
 
 # Relative cost of a verify step by rows (1 + drafts) before the engine has measured its own; a prior only.
 PRIOR_COST = (1.0, 1.0, 1.25, 1.3, 1.35, 1.45, 1.55, 1.65, 1.75, 1.9, 2.0, 2.1, 2.2, 2.3, 2.4, 2.5, 2.6)
-# A request's acceptance rate before it has drafted (a prior).
-PRIOR_ACCEPTANCE = 0.5
-# Draft positions tried (accepted, or the one rejected) the acceptance estimate remembers (an exponential window):
-# short, so a request whose drafts stop matching stops paying for verify rows within a few steps (8 kept copy tasks
-# from drafting again after a short miss; 32 kept prose drafting too long).
-ACCEPTANCE_WINDOW = 16.0
-# Decode steps without drafts after which a request probes with one draft (accepted: its estimate goes back to the
-# prior at least, so a copy that starts late is drafted from again).
-RETRY_STEPS = 16
+# The drafter's record is kept by run length: draft positions in a row it got right (drafts accepted, and its
+# next token checked against the model's at every other step), runs of RUN_CAP or more sharing one estimate.
+RUN_CAP = 8
+# The chance its token is right by run length before the request has its own record (a prior: after a miss, after
+# one right token, after two or more), counted as PRIOR_WEIGHT observations. spec_bench's plain outputs: 0.15-0.40
+# after a miss, 0.6-0.8 after one right token, 0.85-0.95 after three (benchmarks/spec_bench.py's drafter bound).
+PRIOR_HIT = (0.3, 0.5) + (0.7,) * (RUN_CAP - 1)
+PRIOR_WEIGHT = 2.0
+# Observations per run length a request remembers (an exponential window): its text may stop copying.
+HIT_WINDOW = 32.0
 
 
 class NgramDrafter:
@@ -74,9 +79,13 @@ class NgramDrafter:
         return []
 
 
+def _per_run(value: float) -> list[float]:
+    return [value] * (RUN_CAP + 1)
+
+
 @dataclass(slots=True)
 class SpecState:
-    """A speculating request's drafter and counters (Request.spec)."""
+    """A speculating request's drafter, its record by run length, and its counters (Request.spec)."""
 
     drafter: NgramDrafter
     max_k: int  # the request's cap (its num_speculative_tokens, or the server's)
@@ -84,27 +93,48 @@ class SpecState:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # [k]: drafts accepted at position i
-    acceptance: float = PRIOR_ACCEPTANCE  # recent acceptance rate (exponential window)
-    idle: int = 0  # decode steps since the last drafts
-    probing: bool = False  # the drafts in flight are a probe (one draft while the estimate said none)
+    run: int = 0  # draft positions in a row the drafter got right, up to now
+    hits: list[float] = field(default_factory=lambda: _per_run(0.0))  # [RUN_CAP + 1] right, by run length
+    tries: list[float] = field(default_factory=lambda: _per_run(0.0))  # [RUN_CAP + 1] checked, by run length
+    proposed: list[int] = field(default_factory=list)  # the drafter's tokens from this step's position: the
+    # drafts, then one more (checked against the model's token there; the drafts alone if the scheduler drops them)
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        probe, self.probing = self.probing, False
-        if num_drafts == 0:
-            return
-        if probe and num_accepted:  # the text copies again: back to the prior, the cost model decides from there
-            self.acceptance = max(self.acceptance, PRIOR_ACCEPTANCE)
-        self.drafts += 1
-        self.draft_tokens += num_drafts
-        self.accepted_tokens += num_accepted
-        if len(self.accepted_per_pos) < num_drafts:
-            self.accepted_per_pos += [0] * (num_drafts - len(self.accepted_per_pos))
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
-        # the acceptance rate per draft position reached: accepted / (accepted + one rejection, if any)
-        tried = num_accepted + (1 if num_accepted < num_drafts else 0)
-        keep = max(0.0, 1.0 - tried / ACCEPTANCE_WINDOW)
-        self.acceptance = keep * self.acceptance + (1 - keep) * (num_accepted / tried)
+    def acceptance(self, k: int) -> list[float]:
+        """[k] the chance draft i is accepted given drafts 0..i-1 were, from this request's record."""
+        return [self._hit_rate(self.run + i) for i in range(k)]
+
+    def _hit_rate(self, run: int) -> float:
+        r = min(run, RUN_CAP)
+        return (self.hits[r] + PRIOR_WEIGHT * PRIOR_HIT[r]) / (self.tries[r] + PRIOR_WEIGHT)
+
+    def _observe(self, right: bool) -> None:
+        r, keep = min(self.run, RUN_CAP), 1.0 - 1.0 / HIT_WINDOW
+        self.hits[r] = self.hits[r] * keep + right
+        self.tries[r] = self.tries[r] * keep + 1.0
+        self.run = self.run + 1 if right else 0
+
+    def record(self, num_drafts: int, tokens: Sequence[int]) -> None:
+        """A step's tokens for this request: a verify step's accepted drafts and the model's token after them
+        (num_drafts > 0), or a plain step's token."""
+        proposed, self.proposed = self.proposed, []
+        if num_drafts:
+            accepted = len(tokens) - 1
+            self.drafts += 1
+            self.draft_tokens += num_drafts
+            self.accepted_tokens += accepted
+            if len(self.accepted_per_pos) < num_drafts:
+                self.accepted_per_pos += [0] * (num_drafts - len(self.accepted_per_pos))
+            for i in range(accepted):
+                self.accepted_per_pos[i] += 1
+                self._observe(True)
+            if accepted < num_drafts:
+                self._observe(False)
+                return
+        # no draft rejected: the model's last token against what the drafter proposed (or would have) there
+        if len(proposed) > num_drafts:
+            self._observe(tokens[-1] == proposed[num_drafts])
+        else:  # it had nothing to propose (or was not asked): the output does not follow a copy here
+            self.run = 0
 
 
 class VerifyCost:
@@ -130,12 +160,14 @@ class VerifyCost:
         return PRIOR_COST[min(rows - 1, len(PRIOR_COST) - 1)]
 
 
-def choose_k(acceptance: float, max_k: int, cost: VerifyCost) -> int:
-    """The number of drafts that maximises expected tokens per unit of step time (0: do not speculate)."""
+def choose_k(acceptance: Sequence[float], cost: VerifyCost) -> int:
+    """The number of drafts that maximises expected tokens per unit of step time (0: do not speculate), at most
+    len(acceptance); acceptance[i]: the chance draft i is accepted given the drafts before it were."""
     best_k, best = 0, 1.0  # a plain step: one token for one unit
-    expected = 1.0
-    for k in range(1, max_k + 1):
-        expected += acceptance**k
+    expected = reach = 1.0
+    for k, a in enumerate(acceptance, 1):
+        reach *= a
+        expected += reach
         rate = expected / cost.relative(k + 1)
         if rate > best * 1.02:  # a clear gain only: noise in the cost estimate must not flip it
             best_k, best = k, rate
@@ -178,16 +210,15 @@ class Speculator:
     def drafts(self, req: Request, room: int) -> list[int]:
         """Draft tokens for a decoding request, at most `room` (token budget, max_tokens and max_seq_len left)."""
         state = self.state(req)
-        if state is None or room <= 0:
+        if state is None:
             return []
-        k = choose_k(state.acceptance, min(state.max_k, room), self.cost)
-        state.idle = 0 if k else state.idle + 1
-        if not k and state.idle < RETRY_STEPS:
+        state.proposed = []
+        if room <= 0:
             return []
-        if not k:  # a request that stopped drafting probes with one draft now and then (SpecState.record)
-            k, state.idle, state.probing = 1, 0, True
-        drafts = state.drafter.propose(req.all_token_ids, k)
-        if drafts and req.grammar is not None:  # only what the grammar allows: the longest valid prefix
-            drafts = drafts[: req.grammar.matcher.validate_tokens(drafts)]
-        state.probing = state.probing and bool(drafts)
-        return drafts
+        k = choose_k(state.acceptance(min(state.max_k, room)), self.cost)
+        proposed = state.drafter.propose(req.all_token_ids, k + 1)  # one more: checked against the model's token
+        if k and proposed and req.grammar is not None:  # drafts only what the grammar allows: the longest valid prefix
+            valid = req.grammar.matcher.validate_tokens(proposed[:k])
+            proposed = proposed[:valid] if valid < min(k, len(proposed)) else proposed
+        state.proposed = proposed
+        return proposed[:k]
