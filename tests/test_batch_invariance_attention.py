@@ -1,7 +1,8 @@
 """Batch-invariant attention: a query's output is the same bits whatever else runs with it.
 
 Decode attention (csrc/decode_attention.c) alone vs in a batch of 16 sequences of other lengths, at contexts
-long enough for its key spans to run as separate tasks (3000 keys), whatever the pool's size; a prefill row
+long enough for its key spans to run as separate tasks (3000 keys), whatever the pool's size; a sequence's rows
+(a verify step's) worked on together vs each alone; a prefill row
 (csrc/attention.c, paged and contiguous) vs the decode call for the same position; every KV stored type; every
 kernel ISA the CPU runs (AVX-512, AVX2, portable C: the kernel_isa fixture, forced dispatch). The numba decode
 kernel (the fallback) alone vs in a batch.
@@ -64,6 +65,30 @@ def test_decode_row_is_the_same_alone_and_in_a_batch_of_16(dtype: str, threads: 
         assert np.array_equal(alone[0], batch[b]), (dtype, b, LENS[b])
     pair = decode(kv, q[[0, 9]], [tables[0], tables[9]], [LENS[0], LENS[9]], threads)
     assert np.array_equal(pair, batch[[0, 9]])
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", list(KV_FORMATS))
+@pytest.mark.parametrize("threads", [0, 1], ids=["pool", "1-thread"])
+def test_a_sequences_rows_in_one_call_are_each_the_row_alone(dtype: str, threads: int, kernel_isa) -> None:
+    """A verify step's rows (one sequence's blocks, each row one key more than the one before) run as a group whose
+    spans are worked on together (cut into smaller units when the pool would be short of tasks); each row's output
+    is the bits of that row alone, with many groups and single rows in the same call too."""
+    kv, tables = filled_cache(dtype)
+    for seq, first, m in ((0, 2990, 9), (5, 249, 9), (8, 1022, 5), (7, 1, 2)):  # 12 spans; crossing 256, 1024
+        lens = [first + i for i in range(m)]
+        q = queries(m, seed=seq + 2)
+        together = decode(kv, q, [tables[seq]] * m, lens, threads)
+        for i in range(m):
+            alone = decode(kv, q[i : i + 1], [tables[seq]], [lens[i]], threads)
+            assert np.array_equal(alone[0], together[i]), (dtype, seq, lens[i])
+    # 8 groups of 3 rows and 4 single rows: a task per unit of rows
+    seqs, singles = [0, 2, 3, 6, 7, 9, 11, 13], [1, 4, 10, 15]
+    rows = [(s, LENS[s] - 2 + i) for s in seqs for i in range(3)] + [(s, LENS[s]) for s in singles]
+    q = queries(len(rows), seed=7)
+    mixed = decode(kv, q, [tables[s] for s, _ in rows], [n for _, n in rows], threads)
+    for i, (s, n) in enumerate(rows):
+        assert np.array_equal(decode(kv, q[i : i + 1], [tables[s]], [n], threads)[0], mixed[i]), (dtype, s, n)
 
 
 @needs_ext

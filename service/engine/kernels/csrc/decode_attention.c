@@ -8,10 +8,11 @@
  * never depending on the batch or on how idle the pool is), each span's partial (max, exp-sum, unnormalized
  * output of up to 4 query heads sharing a KV head) computed by attn_span, the spans combined in order by
  * attn_combine (flash-decoding's combination). How the work is cut into tasks only decides where those same
- * operations run: a task per (sequence, span) when a task per sequence would leave the pool idle (few
- * sequences, long contexts), else a task per sequence doing its spans in turn; either way a task goes over
- * the head chunks of one span in turn, the span's K and V rows (every KV head of a slot side by side) read from
- * memory once.
+ * operations run: a task per (rows, span) when a task per sequence would leave the pool idle (few sequences,
+ * long contexts), else a task per rows doing their spans in turn, where "rows" are the queries of one sequence
+ * that sees one key more each (a verify step's: a group), cut into smaller units only while the pool would be
+ * short of tasks; either way a task goes over the head chunks of one span in turn, the span's K and V rows (every
+ * KV head of a slot side by side) read from memory once, and from cache for the group's other rows.
  * The prefill kernel (attention.c) runs every query row through the same two functions.
  */
 #include <math.h>
@@ -369,16 +370,24 @@ void attn_combine(const float *pm, size_t pm_stride, const float *po, size_t po_
     for (int c = 0; c < hd; c++) out[c] /= total;
 }
 
-/* ---- decode: partials of (sequence b, head chunk, span sp) at index (span0[b] + sp) * chunks + chunk ---- */
+/* ---- decode: partials of (query b, head chunk, span sp) at index (span0[b] + sp) * chunks + chunk ----
+ * Queries of one sequence (a verify step's rows: each sees one key more than the one before, over the same
+ * blocks) form a group, and a task works on a unit: rows [b0, b1) of a group, each at span sp in turn (per_span)
+ * or every span of those rows and their combinations (a task per unit of sequences), so a span's K and V come from
+ * memory once for all the rows and from cache for the rest. Only where the work runs changes, never what it
+ * computes: each query's partials are the same calls with the same arguments. */
+typedef struct {
+    int b0, b1, sp; /* rows [b0, b1); sp: the span (per_span), unused otherwise */
+} unit_t;
+
 typedef struct {
     const float *q;
     const kv_layer_t *L;
     const int64_t *tables, *starts, *lens;
     float *out;
     int B, H, G, per_kv, chunks;
-    const int64_t *span0; /* [B + 1] each sequence's first span among all of the step's spans */
-    const int *seq;       /* per_span: the sequence of each of the step's spans */
-    int per_span;         /* 1: a task per span, then a combine task per sequence; 0: a task per sequence */
+    const int64_t *span0; /* [B + 1] each query's first span among all of the step's spans */
+    const unit_t *units;  /* the tasks' units */
     float *pm, *po;       /* partials [spans][chunks][4][2], [spans][chunks][4][hd] */
 } __attribute__((aligned(CACHE_LINE))) dattn_t; /* whole cache lines (kernels.h) */
 
@@ -391,11 +400,14 @@ static head_chunk_t head_chunk(const dattn_t *A, int chunk) { /* up to 4 query h
     return (head_chunk_t){h0, hend - h0 < 4 ? hend - h0 : 4, chunk / A->per_kv};
 }
 
-static void dattn_span(const dattn_t *A, int b, int chunk, int sp) {
+/* cached: an earlier row of the unit read this span (its K and V are in this core's caches: no prefetching) */
+static void dattn_span(const dattn_t *A, int b, int chunk, int sp, int cached) {
     const head_chunk_t hc = head_chunk(A, chunk);
     const int n = (int)A->lens[b], j0 = sp * ATTN_SPAN, j1 = j0 + ATTN_SPAN < n ? j0 + ATTN_SPAN : n;
     const size_t p = (size_t)(A->span0[b] + sp) * A->chunks + chunk;
-    const int pf = chunk == 0 && A->L->KV > 1 ? ATTN_PF_SLOTS : ATTN_PF_ROWS; /* the span's first pass: whole slots */
+    const int pf = cached                          ? ATTN_PF_NONE
+                   : chunk == 0 && A->L->KV > 1 ? ATTN_PF_SLOTS /* the span's first pass: whole slots */
+                                                : ATTN_PF_ROWS;
     attn_span(A->L, A->tables + A->starts[b], hc.kvh, A->q + ((size_t)b * A->H + hc.h0) * A->L->hd, hc.R, j0, j1,
               A->pm + p * 8, A->po + p * 4 * A->L->hd, pf);
 }
@@ -409,16 +421,17 @@ static void dattn_combine(const dattn_t *A, int b, int chunk) {
                      S, hd, A->out + ((size_t)b * A->H + hc.h0 + r) * hd);
 }
 
-/* a task's unit: every head chunk of one (sequence, span) in turn, so the span's K and V rows (all KV heads of a
- * slot side by side) are read from memory once and from cache for the other chunks */
-static void sequence_span(const dattn_t *A, int b, int sp) {
-    for (int chunk = 0; chunk < A->chunks; chunk++) dattn_span(A, b, chunk, sp);
+/* every head chunk of one (query, span) in turn, so the span's K and V rows (all KV heads of a slot side by side)
+ * are read from memory once and from cache for the other chunks */
+static void query_span(const dattn_t *A, int b, int sp, int cached) {
+    if (sp < A->span0[b + 1] - A->span0[b])
+        for (int chunk = 0; chunk < A->chunks; chunk++) dattn_span(A, b, chunk, sp, cached);
 }
 
-static void task_span(void *ctx, int task) { /* per_span: task = one of the step's spans */
+static void task_span(void *ctx, int task) { /* per_span: one span of a unit's rows */
     const dattn_t *A = ctx;
-    const int b = A->seq[task];
-    sequence_span(A, b, task - (int)A->span0[b]);
+    const unit_t u = A->units[task];
+    for (int b = u.b0; b < u.b1; b++) query_span(A, b, u.sp, b > u.b0);
 }
 
 static void task_combine(void *ctx, int b) {
@@ -426,10 +439,12 @@ static void task_combine(void *ctx, int b) {
     for (int chunk = 0; chunk < A->chunks; chunk++) dattn_combine(A, b, chunk);
 }
 
-static void task_sequence(void *ctx, int b) { /* a sequence: its spans in turn, then the combination */
+static void task_rows(void *ctx, int task) { /* a unit's rows: their spans in turn, then their combinations */
     const dattn_t *A = ctx;
-    for (int sp = 0; sp < (int)(A->span0[b + 1] - A->span0[b]); sp++) sequence_span(A, b, sp);
-    task_combine(ctx, b);
+    const unit_t u = A->units[task];
+    for (int sp = 0; sp < (int)(A->span0[u.b1] - A->span0[u.b1 - 1]); sp++)
+        for (int b = u.b0; b < u.b1; b++) query_span(A, b, sp, b > u.b0);
+    for (int b = u.b0; b < u.b1; b++) task_combine(ctx, b);
 }
 
 static void run_tasks(task_fn fn, void *ctx, int ntasks, int threads) {
@@ -437,36 +452,73 @@ static void run_tasks(task_fn fn, void *ctx, int ntasks, int threads) {
     else pool_run(fn, ctx, ntasks);
 }
 
+/* whether query b continues query b - 1's sequence: one key more, over the same blocks */
+static int next_row(const int64_t *tables, const int64_t *starts, const int64_t *lens, int b, int bs) {
+    if (lens[b] != lens[b - 1] + 1) return 0;
+    const int64_t nblk = (lens[b - 1] + bs - 1) / bs;
+    return memcmp(tables + starts[b - 1], tables + starts[b], (size_t)nblk * sizeof(int64_t)) == 0;
+}
+
+/* the units of groups first[0..ng) (rows first[g] .. first[g + 1]) cut into pieces of at most sz rows; per_span:
+ * one unit per piece and span of its last row; units NULL: only counted */
+static int make_units(const int *first, int ng, const int64_t *span0, int sz, int per_span, unit_t *units) {
+    int nu = 0;
+    for (int g = 0; g < ng; g++)
+        for (int b0 = first[g]; b0 < first[g + 1]; b0 += sz) {
+            const int b1 = b0 + sz < first[g + 1] ? b0 + sz : first[g + 1];
+            const int spans = per_span ? (int)(span0[b1] - span0[b1 - 1]) : 1;
+            for (int sp = 0; sp < spans; sp++, nu++)
+                if (units) units[nu] = (unit_t){b0, b1, sp};
+        }
+    return nu;
+}
+
 int decode_attention(const float *q, const kv_layer_t *L, const int64_t *tables, const int64_t *starts,
                      const int64_t *lens, float *out, int B, int H, int threads) {
     const int G = H / L->KV, per_kv = (G + 3) / 4, chunks = L->KV * per_kv, hd = L->hd;
     int64_t *span0 = malloc((size_t)(B + 1) * sizeof(int64_t));
-    if (!span0) return -1;
-    span0[0] = 0;
-    for (int b = 0; b < B; b++) span0[b + 1] = span0[b] + (lens[b] + ATTN_SPAN - 1) / ATTN_SPAN;
-    const int64_t spans = span0[B];
-    const int nthreads = pool_threads();
-    const int per_span = threads != 1 && nthreads > 1 && B < 4 * nthreads && spans < 65536;
-    float *pm = malloc((size_t)spans * chunks * 4 * (hd + 2) * sizeof(float));
-    int *seq = per_span ? malloc((size_t)spans * sizeof(int)) : NULL;
-    if (!pm || (per_span && !seq)) {
+    int *first = malloc((size_t)(B + 1) * sizeof(int));
+    if (!span0 || !first) {
         free(span0);
-        free(pm);
-        free(seq);
+        free(first);
         return -1;
     }
-    dattn_t A = {q, L, tables, starts, lens, out, B, H, G, per_kv, chunks, span0, seq, per_span, pm,
+    span0[0] = 0;
+    for (int b = 0; b < B; b++) span0[b + 1] = span0[b] + (lens[b] + ATTN_SPAN - 1) / ATTN_SPAN;
+    int ng = 0, largest = 1;
+    for (int b = 0; b < B; b++) {
+        if (b == 0 || !next_row(tables, starts, lens, b, L->bs)) first[ng++] = b;
+        if (b + 1 - first[ng - 1] > largest) largest = b + 1 - first[ng - 1];
+    }
+    first[ng] = B;
+    const int64_t spans = span0[B];
+    const int nthreads = pool_threads(), parallel = threads != 1 && nthreads > 1;
+    const int per_span = parallel && ng < 4 * nthreads && spans < 65536;
+    /* rows per unit: a group's rows together, halved while the units would leave the pool short of tasks */
+    int sz = largest;
+    while (parallel && sz > 1 && make_units(first, ng, span0, sz, per_span, NULL) < 2 * nthreads) sz = (sz + 1) / 2;
+    const int nu = make_units(first, ng, span0, sz, per_span, NULL);
+    float *pm = malloc((size_t)spans * chunks * 4 * (hd + 2) * sizeof(float));
+    unit_t *units = malloc((size_t)nu * sizeof(unit_t));
+    if (!pm || !units) {
+        free(span0);
+        free(first);
+        free(pm);
+        free(units);
+        return -1;
+    }
+    make_units(first, ng, span0, sz, per_span, units);
+    dattn_t A = {q, L, tables, starts, lens, out, B, H, G, per_kv, chunks, span0, units, pm,
                  pm + (size_t)spans * chunks * 8};
     if (per_span) {
-        for (int b = 0; b < B; b++)
-            for (int64_t g = span0[b]; g < span0[b + 1]; g++) seq[g] = b;
-        run_tasks(task_span, &A, (int)spans, threads);
+        run_tasks(task_span, &A, nu, threads);
         run_tasks(task_combine, &A, B, threads);
     } else {
-        run_tasks(task_sequence, &A, B, threads);
+        run_tasks(task_rows, &A, nu, threads);
     }
     free(span0);
+    free(first);
     free(pm);
-    free(seq);
+    free(units);
     return 0;
 }
