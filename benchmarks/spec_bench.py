@@ -10,9 +10,10 @@ plain, ...) on two engines loaded side by side: decode tok/s = 1000 / the engine
 to the box's speed drifting between rounds); acceptance = accepted / draft tokens, mean k = draft tokens / verify
 steps; the outputs are compared token for token. The drafter's bounds, from the plain output and this run's verify
 costs at batch 1: the speed-up if every step's k were chosen knowing how many drafts the model will accept (what
-no policy for k can beat with this drafter), and the tokens a step with that knowledge if a verify step cost no
-more than a one-token step (what no verify kernel can beat). The plain-decode roofline of the same run: bytes a plain decode step reads (weights
-as stored + the KV cache at the mean context) / the read bandwidth measured in this run. Verify cost: a forward
+no rule for k can beat with this drafter), and the tokens per step with that knowledge (the speed-up if a verify
+step cost no more than a one-token step: what no verify kernel can beat). The plain-decode roofline of the same
+run: bytes a plain decode step reads (weights as stored + the KV cache at the mean context) / the read bandwidth
+measured in this run. Verify cost: a forward
 step with B sequences of 1 + k tokens each at --context keys, relative to the same step with 1 token each (k = 0),
 B = 1 and 4, medians. 16 streams: 16 copy-heavy requests at once (the four kinds, four each), output tok/s of the
 whole run, plain vs spec (which speculates only while the running decodes are --disable-by-batch-size or fewer).

@@ -117,6 +117,20 @@ def test_the_drafters_record_by_run_length_decides_how_far_to_draft() -> None:
     assert state.run == 1
 
 
+def test_spec_bench_bounds_the_drafter_by_knowing_each_steps_acceptance() -> None:
+    from benchmarks.spec_bench import drafter_bound
+
+    cfg = SpecConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=2)
+    phrase = [11, 12, 13, 14, 15, 16, 17, 18]
+    # the output copies the prompt's phrase: after its first two tokens every draft is right (4 at a time)
+    bound, free = drafter_bound(phrase, phrase[:8], cfg, {k: 1.0 for k in range(1, 5)})
+    # positions 1..7: at 1 only [11] is known (no 2-gram), a plain step; at 2 the drafts 13..16 then 17 at 7
+    assert free == bound == pytest.approx(7 / 3)
+    costly = {k: 1.0 + k for k in range(1, 5)}  # a draft costs as much as a step: drafting never pays
+    assert drafter_bound(phrase, phrase[:8], cfg, costly) == (pytest.approx(1.0), pytest.approx(7 / 3))
+    assert drafter_bound([1, 2, 3], [7, 8, 9, 10], cfg, costly) == (1.0, 1.0)  # nothing to copy
+
+
 def test_bad_speculative_settings_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="speculative method"):
         SpecConfig(method="eagle")
