@@ -373,7 +373,7 @@ void attn_combine(const float *pm, size_t pm_stride, const float *po, size_t po_
 /* ---- decode: partials of (query b, head chunk, span sp) at index (span0[b] + sp) * chunks + chunk ----
  * Queries of one sequence (a verify step's rows: each sees one key more than the one before, over the same
  * blocks) form a group, and a task works on a unit: rows [b0, b1) of a group, each at span sp in turn (per_span)
- * or every span of those rows and their combinations (a task per unit of sequences), so a span's K and V come from
+ * or every span of those rows and then their combinations (a task per unit), so a span's K and V come from
  * memory once for all the rows and from cache for the rest. Only where the work runs changes, never what it
  * computes: each query's partials are the same calls with the same arguments. */
 typedef struct {
@@ -400,7 +400,7 @@ static head_chunk_t head_chunk(const dattn_t *A, int chunk) { /* up to 4 query h
     return (head_chunk_t){h0, hend - h0 < 4 ? hend - h0 : 4, chunk / A->per_kv};
 }
 
-/* cached: an earlier row of the unit read this span (its K and V are in this core's caches: no prefetching) */
+/* cached: the row before read this span (its K and V are in this core's caches: no prefetching) */
 static void dattn_span(const dattn_t *A, int b, int chunk, int sp, int cached) {
     const head_chunk_t hc = head_chunk(A, chunk);
     const int n = (int)A->lens[b], j0 = sp * ATTN_SPAN, j1 = j0 + ATTN_SPAN < n ? j0 + ATTN_SPAN : n;
@@ -421,17 +421,21 @@ static void dattn_combine(const dattn_t *A, int b, int chunk) {
                      S, hd, A->out + ((size_t)b * A->H + hc.h0 + r) * hd);
 }
 
-/* every head chunk of one (query, span) in turn, so the span's K and V rows (all KV heads of a slot side by side)
- * are read from memory once and from cache for the other chunks */
-static void query_span(const dattn_t *A, int b, int sp, int cached) {
-    if (sp < A->span0[b + 1] - A->span0[b])
-        for (int chunk = 0; chunk < A->chunks; chunk++) dattn_span(A, b, chunk, sp, cached);
+static int num_spans(const dattn_t *A, int b) { return (int)(A->span0[b + 1] - A->span0[b]); }
+
+/* span sp of a unit's rows that have it, each over every head chunk in turn: the span's K and V rows (all KV heads
+ * of a slot side by side) are read from memory once, by its first row's first chunk, and from cache after that */
+static void unit_span(const dattn_t *A, unit_t u, int sp) {
+    for (int b = u.b0; b < u.b1; b++)
+        if (sp < num_spans(A, b)) {
+            const int cached = b > u.b0 && sp < num_spans(A, b - 1);
+            for (int chunk = 0; chunk < A->chunks; chunk++) dattn_span(A, b, chunk, sp, cached);
+        }
 }
 
 static void task_span(void *ctx, int task) { /* per_span: one span of a unit's rows */
     const dattn_t *A = ctx;
-    const unit_t u = A->units[task];
-    for (int b = u.b0; b < u.b1; b++) query_span(A, b, u.sp, b > u.b0);
+    unit_span(A, A->units[task], A->units[task].sp);
 }
 
 static void task_combine(void *ctx, int b) {
@@ -442,8 +446,7 @@ static void task_combine(void *ctx, int b) {
 static void task_rows(void *ctx, int task) { /* a unit's rows: their spans in turn, then their combinations */
     const dattn_t *A = ctx;
     const unit_t u = A->units[task];
-    for (int sp = 0; sp < (int)(A->span0[u.b1] - A->span0[u.b1 - 1]); sp++)
-        for (int b = u.b0; b < u.b1; b++) query_span(A, b, sp, b > u.b0);
+    for (int sp = 0; sp < num_spans(A, u.b1 - 1); sp++) unit_span(A, u, sp); /* the last row has the most spans */
     for (int b = u.b0; b < u.b1; b++) task_combine(ctx, b);
 }
 
@@ -495,9 +498,11 @@ int decode_attention(const float *q, const kv_layer_t *L, const int64_t *tables,
     const int nthreads = pool_threads(), parallel = threads != 1 && nthreads > 1;
     const int per_span = parallel && ng < 4 * nthreads && spans < 65536;
     /* rows per unit: a group's rows together, halved while the units would leave the pool short of tasks */
-    int sz = largest;
-    while (parallel && sz > 1 && make_units(first, ng, span0, sz, per_span, NULL) < 2 * nthreads) sz = (sz + 1) / 2;
-    const int nu = make_units(first, ng, span0, sz, per_span, NULL);
+    int sz = largest, nu = make_units(first, ng, span0, sz, per_span, NULL);
+    while (parallel && sz > 1 && nu < 2 * nthreads) {
+        sz = (sz + 1) / 2;
+        nu = make_units(first, ng, span0, sz, per_span, NULL);
+    }
     float *pm = malloc((size_t)spans * chunks * 4 * (hd + 2) * sizeof(float));
     unit_t *units = malloc((size_t)nu * sizeof(unit_t));
     if (!pm || !units) {
